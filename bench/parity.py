@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Loss parity of DiLoCo and Streaming DiLoCo against data-parallel training.
+
+Same model, data and token budget for every run; M simulated replicas in one process
+(``atoll.node.simulate``). Each run records ``algo``, ``eval_loss`` (of the global
+parameters, nats/byte), ``tokens``, ``bytes_per_replica`` (encoded sizes under a
+bandwidth-optimal all-reduce), ``wall_s`` and its ``config``; ``summary`` holds the
+derived figures the targets are stated in.
+
+    python bench/parity.py --json parity.json            # ddp; diloco and streaming at H=30, 100
+    python bench/parity.py --quick --json quick.json     # smoke size, < 2 min on 2 cores
+    python bench/parity.py --long --json long.json       # the gap at 1x, 2x, 4x the budget
+    python bench/parity.py --sweep-lr --json lr.json     # inner-lr sweep per method
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+from atoll.node.cli import format_table
+from atoll.node.data import load_corpus
+from atoll.node.simulate import SimConfig, SimResult, simulate
+
+log = logging.getLogger("bench.parity")
+
+# inner learning rates per method, from the sweep recorded in docs/BENCHMARKS.md
+LR = {"ddp": 2e-3, "diloco": 3e-3, "streaming": 3e-3}
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
+    base = SimConfig(
+        replicas=args.replicas, steps=args.steps, batch_size=args.batch_size, preset=args.preset,
+        device=args.device, seed=args.seed, eval_batches=args.eval_batches, log_every=max(1, args.steps // 10),
+    )
+    runs: list[tuple[str, SimConfig]] = []
+    if args.quick:
+        base = base.with_(preset="micro", replicas=2, steps=150, warmup=15, eval_batches=4, log_every=50)
+        return [
+            ("ddp", base.with_(algo="ddp", lr=LR["ddp"])),
+            ("diloco H=30", base.with_(algo="diloco", H=30, lr=LR["diloco"])),
+            ("streaming H=30", base.with_(algo="streaming", H=30, lr=LR["streaming"], blocks_per_fragment=1)),
+        ]
+    if args.sweep_lr:
+        for algo, lrs in (("ddp", (1e-3, 2e-3, 3e-3)), ("diloco", (2e-3, 3e-3, 4e-3)), ("streaming", (3e-3, 4e-3))):
+            for lr in lrs:
+                runs.append((f"{algo} lr={lr:g}", base.with_(algo=algo, lr=lr, H=30)))
+        return runs
+    if args.long:
+        for mult in (1, 2, 4):
+            cfg = base.with_(steps=args.steps * mult, log_every=max(1, args.steps * mult // 10))
+            runs.append((f"ddp {mult}x", cfg.with_(algo="ddp", lr=LR["ddp"])))
+            runs.append((f"streaming H=30 {mult}x", cfg.with_(algo="streaming", H=30, lr=LR["streaming"])))
+        return runs
+    runs.append(("ddp", base.with_(algo="ddp", lr=LR["ddp"])))
+    for H in args.H:
+        runs.append((f"diloco H={H}", base.with_(algo="diloco", H=H, lr=LR["diloco"])))
+        runs.append((f"streaming H={H}", base.with_(algo="streaming", H=H, lr=LR["streaming"])))
+    return runs
+
+
+def summarize(labelled: list[tuple[str, SimResult]]) -> dict[str, Any]:
+    by = dict(labelled)
+    out: dict[str, Any] = {}
+    ddp = next((r for label, r in labelled if r.algo == "ddp"), None)
+    for label, r in labelled:
+        if r.algo == "streaming" and label.startswith("streaming H="):
+            key = label.split(" ", 1)[1]
+            dil = by.get(f"diloco {key}")
+            if dil is not None:
+                out[f"streaming_vs_diloco_{key}"] = r.eval_loss / dil.eval_loss - 1
+            out[f"bytes_ratio_{key.replace(' ', '_')}"] = r.bytes_ratio
+        if ddp is not None and r is not ddp:
+            out[f"gap_to_ddp[{label}]"] = r.eval_loss / ddp.eval_loss - 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True, help="write results here")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smoke size: micro model, < 2 minutes")
+    mode.add_argument("--long", action="store_true", help="ddp and streaming H=30 at 1x, 2x, 4x the budget")
+    mode.add_argument("--sweep-lr", action="store_true", help="inner learning-rate sweep at H=30")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--H", type=int, nargs="+", default=[30, 100])
+    ap.add_argument("--eval-batches", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+
+    corpus = load_corpus("stdlib")
+    runs = plan(args)
+    doc: dict[str, Any] = {"machine": machine(), "corpus": corpus.describe(), "argv": sys.argv[1:], "runs": []}
+    results: list[tuple[str, SimResult]] = []
+    t0 = time.perf_counter()
+    for i, (label, cfg) in enumerate(runs, 1):
+        print(f"--- run {i}/{len(runs)}: {label}", file=sys.stderr, flush=True)
+
+        def progress(p: Any, label: str = label) -> None:
+            print(f"  [{label}] step {p.step}/{p.steps} loss {p.loss:.4f} "
+                  f"{p.tokens_per_s / 1e3:.1f} ktok/s", file=sys.stderr, flush=True)
+
+        r = simulate(cfg.with_(), corpus=corpus, progress=progress)
+        r.config["label"] = label
+        results.append((label, r))
+        doc["runs"].append({"label": label, **r.as_dict()})
+        doc["summary"] = summarize(results)
+        doc["total_wall_s"] = time.perf_counter() - t0
+        with open(args.json, "w") as f:  # rewritten after every run: partial results survive
+            json.dump(doc, f, indent=2)
+    print(format_table([r for _, r in results]))
+    print(json.dumps(doc["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The ``atoll`` command line.
+
+Subcommands (more come with the swarm):
+
+- ``atoll simulate``: M replicas in one process, no network; progress and a final table.
+- ``atoll demo``: a short streaming run next to data-parallel on the default model.
+- ``atoll version``.
+
+Errors atoll raises on purpose are printed as one line (``atoll: error: ...``), never as
+a traceback; Ctrl+C stops with exit status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, TextIO
+
+from atoll.node.config import add_arguments, build_config, load_toml
+from atoll.protocol.errors import AtollError
+
+__all__ = ["format_table", "main"]
+
+log = logging.getLogger("atoll")
+
+
+class _ProgressPrinter:
+    """One status line per report; rewritten in place on a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, p: Any) -> None:
+        ev = f"  eval {p.eval_loss:.4f}" if p.eval_loss is not None else ""
+        line = (
+            f"[{p.algo:>9}] step {p.step:>5}/{p.steps}  loss {p.loss:.4f}  "
+            f"{p.tokens_per_s / 1e3:7.1f} ktok/s  sent {p.bytes_per_replica / 1e6:9.3f} MB{ev}"
+        )
+        if self.tty and p.step < p.steps and p.eval_loss is None:
+            self.stream.write("\r" + line)
+        else:
+            self.stream.write(("\r" if self.tty else "") + line + "\n")
+        self.stream.flush()
+
+
+def format_table(results: Sequence[Any]) -> str:
+    """The final comparison table; ratios are against the ddp row when there is one."""
+    base = next((r for r in results if r.algo == "ddp"), None)
+    head = f"{'run':<22}{'eval loss':>10}{'vs ddp':>9}{'tokens':>12}{'MB/replica':>13}{'bytes ÷':>10}{'wall s':>9}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        label = r.config.get("label") or r.algo
+        rel = f"{(r.eval_loss / base.eval_loss - 1) * 100:+.1f}%" if base and r is not base else ""
+        ratio = f"{r.bytes_ratio:.0f}x" if r.algo != "ddp" and r.bytes_per_replica else ("1x" if r.algo == "ddp" else "-")
+        lines.append(
+            f"{label:<22}{r.eval_loss:>10.4f}{rel:>9}{r.tokens:>12,}{r.bytes_per_replica / 1e6:>13.3f}"
+            f"{ratio:>10}{r.wall_s:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from atoll.node.simulate import SimConfig, simulate
+
+    toml = load_toml(args.config, "simulate") if args.config else None
+    cfg = build_config(SimConfig, args, toml)
+    printer = _ProgressPrinter(sys.stderr)
+    result = simulate(cfg, progress=printer)
+    print(format_table([result]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from atoll.node.data import load_corpus
+    from atoll.node.simulate import SimConfig, simulate
+
+    print(
+        f"atoll demo: {args.replicas} simulated peers train the '{args.preset}' model for "
+        f"{args.steps} steps, data-parallel and Streaming DiLoCo (4-bit, H={args.H}), "
+        "no network (the swarm demo comes with `atoll node`).",
+        file=sys.stderr,
+    )
+    corpus = load_corpus("stdlib")
+    printer = _ProgressPrinter(sys.stderr)
+    base = SimConfig(
+        replicas=args.replicas, steps=args.steps, preset=args.preset, H=args.H, warmup=min(50, args.steps // 10),
+        log_every=max(1, args.steps // 20),
+    )
+    results = []
+    for algo, lr in (("ddp", 2e-3), ("streaming", 3e-3)):
+        results.append(simulate(base.with_(algo=algo, lr=lr), corpus=corpus, progress=printer))
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from atoll.node.simulate import SimConfig
+
+    parser = argparse.ArgumentParser(prog="atoll", description="Peer-to-peer Streaming DiLoCo training.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("simulate", help="train M replicas in one process, no network")
+    add_arguments(sim, SimConfig)
+    sim.add_argument("--config", help="TOML file (a [simulate] table or top-level keys)")
+    sim.add_argument("--json", help="write the result to this file")
+    sim.set_defaults(func=_cmd_simulate)
+
+    demo = sub.add_parser("demo", help="short streaming run next to data-parallel")
+    demo.add_argument("--replicas", type=int, default=4)
+    demo.add_argument("--steps", type=int, default=200)
+    demo.add_argument("--H", type=int, default=50)
+    demo.add_argument("--preset", default="tiny")
+    demo.add_argument("--json", help="write the results to this file")
+    demo.set_defaults(func=_cmd_demo)
+
+    ver = sub.add_parser("version", help="print the version")
+    ver.set_defaults(func=lambda _a: print(version("atoll")) or 0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    t0 = time.monotonic()
+    try:
+        code: int = args.func(args)
+        return code
+    except AtollError as e:
+        print(f"atoll: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\natoll: interrupted after {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Train M replicas in one process with no network, counting the bytes a swarm would send.
+
+Three algorithms on the same model, data and token budget:
+
+- ``ddp``: data-parallel, gradients averaged every step (the baseline). Computed as one
+  model on the concatenation of the M replicas' batches, which is the same gradient.
+- ``diloco``: DiLoCo (arXiv 2311.08105), one fragment, blocking sync every H steps.
+- ``streaming``: Streaming DiLoCo (arXiv 2501.18512): fragments on a staggered schedule,
+  overlap τ, merge α, low-precision (4-bit E3M0 by default) exchange.
+
+The replicas drive :class:`atoll.protocol.engine.OuterEngine` exactly as the swarm's peers
+do; the group reduction is :func:`atoll.protocol.engine.average_requests`. Bytes are the
+encoded sizes under a bandwidth-optimal all-reduce (reduce-scatter + all-gather).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from atoll.node.data import Batcher, Corpus, load_corpus
+from atoll.node.model import build_model, model_config, tensor_specs
+from atoll.node.train import InnerConfig, Replica, evaluate, resolve_device
+from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.fragments import Fragment, FragmentPlan, plan_fragments
+from atoll.protocol.outer import OuterConfig
+from atoll.protocol.reduce import allreduce_bytes_per_peer
+from atoll.protocol.schedule import Schedule
+
+__all__ = ["ALGOS", "Progress", "SimConfig", "SimResult", "simulate"]
+
+log = logging.getLogger(__name__)
+
+ALGOS = ("ddp", "diloco", "streaming")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. ``None`` means: the algorithm's own default."""
+
+    algo: str = "streaming"
+    """ddp, diloco or streaming"""
+    replicas: int = 4
+    """M, the number of simulated peers"""
+    steps: int = 1000
+    """inner steps per replica (the token budget is steps × M × batch × seq_len)"""
+    batch_size: int = 16
+    """sequences per replica per step"""
+    preset: str = "tiny"
+    """model preset (micro, tiny, small, base, 125m, 350m, 1b)"""
+    data: str = "stdlib"
+    """'stdlib' or comma-separated text/jsonl files or folders"""
+    seed: int = 0
+    lr: float = 2e-3
+    """peak inner learning rate"""
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    H: int = 100
+    """inner steps between syncs of one fragment"""
+    tau: int | None = None
+    """overlap steps (default: 0 for diloco, 1 for streaming)"""
+    alpha: float | None = None
+    """merge weight of the local copy (default: 0 for diloco, 0.5 for streaming)"""
+    codec: str | None = None
+    """wire codec (default: fp32 for diloco, e3m0 for streaming)"""
+    blocks_per_fragment: int = 3
+    extras: str = "own"
+    """where embeddings/norm/head go: own, first or last fragment"""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    error_feedback: bool = False
+    aggregation: str = "mean"
+    """mean or rda"""
+    final_sync: bool = True
+    """sync every fragment once more at the end so the global model holds all the work"""
+    eval_batches: int = 16
+    eval_every: int = 0
+    """evaluate the global parameters every N steps (0 = only at the end)"""
+    log_every: int = 50
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ConfigError(f"algo must be one of {', '.join(ALGOS)}, not {self.algo!r}")
+        if self.replicas < 1 or self.steps < 1 or self.batch_size < 1:
+            raise ConfigError("replicas, steps and batch_size must be >= 1")
+
+    def engine_config(self) -> EngineConfig:
+        streaming = self.algo == "streaming"
+        return EngineConfig(
+            H=self.H,
+            tau=self.tau if self.tau is not None else (1 if streaming else 0),
+            alpha=self.alpha if self.alpha is not None else (0.5 if streaming else 0.0),
+            outer=OuterConfig(self.outer_lr, self.outer_momentum, self.nesterov),
+            codec=self.codec or ("e3m0" if streaming else "fp32"),
+            error_feedback=self.error_feedback,
+            aggregation=self.aggregation,
+        )
+
+    def inner_config(self) -> InnerConfig:
+        return InnerConfig(
+            lr=self.lr, warmup=self.warmup, total_steps=self.steps, min_lr_ratio=self.min_lr_ratio
+        )
+
+    def with_(self, **changes: Any) -> SimConfig:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A progress report, every ``log_every`` steps."""
+
+    algo: str
+    step: int
+    steps: int
+    loss: float
+    tokens_per_s: float
+    bytes_per_replica: int
+    eval_loss: float | None = None
+
+
+@dataclass
+class SimResult:
+    """What a run measured (the JSON of ``bench/parity.py`` is built from this)."""
+
+    algo: str
+    eval_loss: float
+    train_loss: float
+    tokens: int
+    bytes_per_replica: int
+    ddp_bytes_per_replica: int
+    wall_s: float
+    compute_s: float
+    params: int
+    fragments: int
+    syncs_applied: int
+    syncs_skipped: int
+    config: dict[str, Any]
+    history: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def bytes_ratio(self) -> float:
+        """Data-parallel bytes ÷ this run's bytes (inf when nothing was sent)."""
+        return self.ddp_bytes_per_replica / self.bytes_per_replica if self.bytes_per_replica else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["bytes_ratio"] = self.bytes_ratio if self.bytes_per_replica else None
+        return d
+
+
+def _plan(cfg: SimConfig, model: torch.nn.Module) -> FragmentPlan:
+    specs = tensor_specs(model)
+    if cfg.algo == "diloco":
+        names = tuple(s.name for s in specs)
+        blocks = tuple(sorted({s.block for s in specs if s.block is not None}))
+        numel = sum(s.numel for s in specs)
+        return FragmentPlan((Fragment(0, names, numel, blocks),))
+    return plan_fragments(specs, blocks_per_fragment=cfg.blocks_per_fragment, extras=cfg.extras)
+
+
+def simulate(
+    cfg: SimConfig,
+    *,
+    corpus: Corpus | None = None,
+    progress: Callable[[Progress], None] | None = None,
+) -> SimResult:
+    """Run one simulated training job and return what it measured."""
+    device = resolve_device(cfg.device)
+    corpus = corpus if corpus is not None else load_corpus(cfg.data)
+    mcfg = model_config(cfg.preset)
+    batcher = Batcher(corpus, mcfg.seq_len, cfg.batch_size, cfg.seed)
+    val = batcher.val_batches(cfg.eval_batches, 16)
+    model0 = build_model(mcfg, cfg.seed)
+    n_params = sum(p.numel() for p in model0.parameters())
+    inner = cfg.inner_config()
+    tokens_per_step = cfg.replicas * batcher.tokens_per_batch
+    ddp_step_bytes = allreduce_bytes_per_peer(4 * n_params, cfg.replicas)
+    history: list[tuple[int, float]] = []
+    t0 = time.perf_counter()
+    sent = 0
+    losses: list[float] = []
+
+    def report(step: int, eval_model: Callable[[], torch.nn.Module]) -> None:
+        done = step + 1
+        ev = None
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            ev = evaluate(eval_model(), val, device)
+            history.append((done, ev))
+        if progress and (done % cfg.log_every == 0 or done == cfg.steps or ev is not None):
+            window = losses[-cfg.log_every :]
+            rate = done * tokens_per_step / max(1e-9, time.perf_counter() - t0)
+            progress(Progress(cfg.algo, done, cfg.steps, sum(window) / len(window), rate, sent, ev))
+
+    if cfg.algo == "ddp":
+        rep = Replica(model0, inner, batcher, 0, device)
+        for step in range(cfg.steps):
+            batches = [batcher.batch(m, step) for m in range(cfg.replicas)]
+            losses.append(rep.train_step(step, batches))
+            sent += ddp_step_bytes
+            report(step, lambda: rep.model)
+        eval_loss = evaluate(rep.model, val, device)
+        compute_s, n_frags, applied, skipped = rep.timer.compute_s, 0, 0, 0
+    else:
+        eng_cfg = cfg.engine_config()
+        plan = _plan(cfg, model0)
+        schedule = Schedule(cfg.H, len(plan))
+        reps = [
+            Replica(copy.deepcopy(model0), inner, batcher, m, device, plan)
+            for m in range(cfg.replicas)
+        ]
+        views0 = reps[0].views
+        assert views0 is not None
+        initial = [views0.get(p) for p in range(len(plan))]
+        engines = [OuterEngine(eng_cfg, schedule, initial, seed=cfg.seed * 1000 + m) for m in range(cfg.replicas)]
+        codec = engines[0].codec
+        in_flight: dict[int, list[SyncRequest]] = {}
+        log.info("%s: %d fragments\n%s", cfg.algo, len(plan), plan.describe())
+
+        def finish(p: int) -> None:
+            nonlocal sent
+            requests = in_flight.pop(p)
+            averaged, nbytes = average_requests(requests, codec, eng_cfg.aggregation)
+            sent += nbytes
+            for rep, eng in zip(reps, engines, strict=True):
+                assert rep.views is not None
+                eng.deliver(p, averaged, requests[0].round)
+                rep.views.set(p, eng.merge(p, rep.views.get(p)))
+
+        def start(p: int, step: int) -> None:
+            in_flight[p] = [
+                eng.begin(p, rep.views.get(p), step)  # type: ignore[union-attr]
+                for rep, eng in zip(reps, engines, strict=True)
+            ]
+
+        def global_model() -> torch.nn.Module:
+            m = copy.deepcopy(reps[0].model)
+            from atoll.node.train import FragmentViews
+
+            views = FragmentViews(m, plan)
+            for p in range(len(plan)):
+                views.set(p, engines[0].global_params(p))
+            return m
+
+        last_start = [-1] * len(plan)
+        for step in range(cfg.steps):
+            step_losses = []
+            for rep, eng in zip(reps, engines, strict=True):
+                step_losses.append(rep.train_step(step))
+                eng.add_tokens(batcher.tokens_per_batch)
+            losses.append(sum(step_losses) / len(step_losses))
+            for p in [p for p, reqs in in_flight.items() if reqs[0].apply_step == step]:
+                finish(p)
+            for p in schedule.due(step):
+                start(p, step)
+                last_start[p] = step
+                if eng_cfg.tau == 0:
+                    finish(p)
+            report(step, global_model)
+        for p in list(in_flight):  # the last exchanges complete after the final step
+            finish(p)
+        if cfg.final_sync:
+            for p in range(len(plan)):
+                if last_start[p] < cfg.steps - 1:
+                    start(p, cfg.steps - 1)
+                    finish(p)
+        eval_loss = evaluate(global_model(), val, device)
+        compute_s = sum(r.timer.compute_s for r in reps)
+        n_frags = len(plan)
+        applied = sum(e.stats(p).applied for e in engines[:1] for p in range(len(plan)))
+        skipped = sum(e.stats(p).skipped for e in engines[:1] for p in range(len(plan)))
+
+    result = SimResult(
+        algo=cfg.algo,
+        eval_loss=eval_loss,
+        train_loss=sum(losses[-cfg.log_every :]) / len(losses[-cfg.log_every :]),
+        tokens=cfg.steps * tokens_per_step,
+        bytes_per_replica=sent,
+        ddp_bytes_per_replica=ddp_step_bytes * cfg.steps,
+        wall_s=time.perf_counter() - t0,
+        compute_s=compute_s,
+        params=n_params,
+        fragments=n_frags,
+        syncs_applied=applied,
+        syncs_skipped=skipped,
+        config={**asdict(cfg), "engine": asdict(cfg.engine_config()) if cfg.algo != "ddp" else None},
+        history=[*history, (cfg.steps, eval_loss)],
+    )
+    log.info("%s done: eval %.4f, %d bytes/replica", cfg.algo, eval_loss, sent)
+    return result

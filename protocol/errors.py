@@ -1,0 +1,70 @@
+"""The one exception tree of atoll.
+
+Every error atoll raises on purpose derives from :class:`AtollError`. The tree separates
+failures a caller should retry (a peer went away, a wait timed out) from failures caused
+by bad or hostile input (a contribution that does not decode, a value that is not finite),
+so that a node can back off from the first kind and strike a peer for the second::
+
+    AtollError
+    ├── ConfigError              bad configuration or arguments given by the user
+    ├── RetryableError           transient: try again, maybe with another peer
+    │   ├── PeerUnavailable      a peer could not be reached or left mid-round
+    │   ├── ExchangeTimeout      a bounded wait ran out
+    │   └── RoundAborted         a round ended without a result; nothing was applied
+    └── RejectedInput            input that must not be used; never retried as is
+        ├── CodecError           bytes that do not decode, wrong size, non-finite values
+        └── RejectedContribution a peer's part failed validation (hostile or broken)
+
+``ConfigError`` and ``CodecError`` also derive from :class:`ValueError`, so callers that
+only know the standard library still catch them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AtollError",
+    "CodecError",
+    "ConfigError",
+    "ExchangeTimeout",
+    "PeerUnavailable",
+    "RejectedContribution",
+    "RejectedInput",
+    "RetryableError",
+    "RoundAborted",
+]
+
+
+class AtollError(Exception):
+    """Root of every error atoll raises on purpose."""
+
+
+class ConfigError(AtollError, ValueError):
+    """A setting or argument is invalid; the message says which and why."""
+
+
+class RetryableError(AtollError):
+    """A transient failure: the same operation may succeed later or with another peer."""
+
+
+class PeerUnavailable(RetryableError):
+    """A peer could not be reached, or disappeared during a round."""
+
+
+class ExchangeTimeout(RetryableError):
+    """A bounded network wait ran out before its result arrived."""
+
+
+class RoundAborted(RetryableError):
+    """An averaging round ended without a result; nothing of it was applied."""
+
+
+class RejectedInput(AtollError):
+    """Input that must not be used: malformed, inconsistent or hostile."""
+
+
+class CodecError(RejectedInput, ValueError):
+    """Bytes that do not decode as the agreed codec, or values a codec refuses (NaN, inf)."""
+
+
+class RejectedContribution(RejectedInput):
+    """A peer's contribution failed validation and was left out of the reduction."""

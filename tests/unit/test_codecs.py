@@ -1,0 +1,469 @@
+"""Tests of atoll.protocol.codecs: error bounds, bit-exact layouts, sizes and refusals."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from atoll.protocol.codecs import (
+    CODEC_NAMES,
+    Bf16Codec,
+    Codec,
+    E3M0Codec,
+    Fp32Codec,
+    Int8Codec,
+    bits_per_value,
+    make_codec,
+)
+from atoll.protocol.errors import CodecError, ConfigError
+from atoll.protocol.reduce import chunk_bounds
+
+FAST = settings(max_examples=60, deadline=None)
+
+ALL_CODECS: list[Codec] = [
+    Fp32Codec(),
+    Bf16Codec(),
+    Int8Codec(),
+    Int8Codec(block=5),
+    E3M0Codec(),
+    E3M0Codec(block=4),
+    E3M0Codec(rounding="stochastic"),
+    E3M0Codec(block=6, rounding="stochastic"),
+]
+IDS = [repr(c) for c in ALL_CODECS]
+
+# finite float32 values over a wide range (subnormals too)
+finite32 = st.floats(
+    min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, allow_infinity=False, width=32
+)
+vectors = hnp.arrays(np.float32, st.integers(0, 300), elements=finite32)
+
+
+def e3m0_scales(codec: E3M0Codec, payload: bytes, n: int) -> np.ndarray:
+    nb = -(-n // codec.block)
+    bits = np.frombuffer(payload, dtype="<u2", count=nb).astype(np.uint32)
+    return (bits << 16).view(np.float32)
+
+
+def int8_scales(codec: Int8Codec, payload: bytes, n: int) -> np.ndarray:
+    nb = -(-n // codec.block)
+    return np.frombuffer(payload, dtype="<f4", count=nb)
+
+
+def per_value(scales: np.ndarray, block: int, n: int) -> np.ndarray:
+    return np.repeat(scales, block)[:n]
+
+
+# --------------------------------------------------------------------------------------
+# error bounds
+# --------------------------------------------------------------------------------------
+@FAST
+@given(vectors)
+def test_fp32_exact(x: np.ndarray) -> None:
+    c = Fp32Codec()
+    y = c.roundtrip(x)
+    assert y.dtype == np.float32
+    np.testing.assert_array_equal(y, x)
+
+
+@FAST
+@given(vectors)
+def test_bf16_relative_error(x: np.ndarray) -> None:
+    y = Bf16Codec().roundtrip(x)
+    tiny = np.abs(x) < 2.0**-126  # subnormals: bf16 spacing is 2^-133 there
+    err = np.abs(y.astype(np.float64) - x.astype(np.float64))
+    assert np.all(err[~tiny] <= 2.0**-8 * np.abs(x[~tiny].astype(np.float64)))
+    assert np.all(err[tiny] <= 2.0**-134)
+
+
+def test_bf16_round_to_nearest_even() -> None:
+    one = 1.0
+    ulp = 2.0**-7  # bf16 spacing at 1.0
+    x = np.array([one + ulp / 2, one + 1.5 * ulp, one + ulp / 2 + 2.0**-20], np.float32)
+    y = Bf16Codec().roundtrip(x)
+    # a tie goes to the even mantissa; above the tie goes up
+    np.testing.assert_array_equal(y, np.array([one, one + 2 * ulp, one + ulp], np.float32))
+    # bit layout: 1.0 is 0x3F80, little-endian
+    assert Bf16Codec().encode(np.float32(1.0)) == b"\x80\x3f"
+
+
+def test_bf16_overflow_rejected() -> None:
+    big = np.float32(np.finfo(np.float32).max)
+    with pytest.raises(CodecError, match="overflow"):
+        Bf16Codec().encode(np.array([1.0, big], np.float32))
+
+
+@FAST
+@given(vectors, st.sampled_from([1, 3, 8, 128]))
+def test_int8_error_within_half_scale(x: np.ndarray, block: int) -> None:
+    c = Int8Codec(block)
+    p = c.encode(x)
+    y = c.decode(p, x.size)
+    scale = per_value(int8_scales(c, p, x.size), block, x.size).astype(np.float64)
+    err = np.abs(y.astype(np.float64) - x.astype(np.float64))
+    # half a scale, plus float32 rounding of the quotient and product, plus underflow of
+    # scales of blocks whose max is below ~1e-43
+    assert np.all(err <= scale * (0.5 + 1e-5) + 1e-42)
+
+
+@FAST
+@given(vectors, st.sampled_from([2, 4, 10, 128]))
+def test_e3m0_nearest_levels(x: np.ndarray, block: int) -> None:
+    c = E3M0Codec(block)
+    p = c.encode(x)
+    y = c.decode(p, x.size).astype(np.float64)
+    x64 = x.astype(np.float64)
+    s = per_value(e3m0_scales(c, p, x.size), block, x.size).astype(np.float64)
+    # scale: max|x| of the block rounded up to bf16, so s >= |x| and s <= max*(1 + 2^-7)
+    assert np.all(np.abs(x64) <= s)
+    if x.size:
+        mx = per_value(
+            np.array([np.abs(x64[i : i + block]).max() for i in range(0, x.size, block)]),
+            block,
+            x.size,
+        )
+        assert np.all(s <= mx * (1 + 2.0**-7) + 2.0**-133)
+    # every decoded value is 0 or +-s*2^-k, k in 0..6, with the sign of x
+    nz = y != 0
+    k = -np.log2(np.abs(y[nz]) / s[nz])
+    assert np.allclose(k, np.round(k), atol=1e-9) and np.all((k >= -1e-9) & (k <= 6 + 1e-9))
+    assert np.all(np.sign(y[nz]) == np.sign(x64[nz]))
+    # nearest in the log domain
+    ax = np.abs(x64)
+    upper = ax >= s * 2.0**-6
+    ratio = np.abs(y[upper]) / ax[upper]
+    assert np.all(ratio <= math.sqrt(2) * (1 + 1e-6))
+    assert np.all(ratio >= 1 / math.sqrt(2) * (1 - 1e-6))
+    # between s*2^-7 and s*2^-6 the smallest level, below s*2^-7 zero
+    mid = (ax >= s * 2.0**-7 * (1 + 1e-6)) & ~upper
+    np.testing.assert_allclose(np.abs(y[mid]), s[mid] * 2.0**-6)
+    low = ax < s * 2.0**-7 * (1 - 1e-6)
+    assert np.all(y[low] == 0)
+
+
+def test_e3m0_nearest_thresholds() -> None:
+    s = 1.0
+    r2 = math.sqrt(2)
+    x = np.array(
+        [s, s / r2 * 1.0001, s / r2 * 0.9999, s / 64, s / 64 / r2 * 1.0001, s / 128 * 1.0001,
+         s / 128 * 0.9999, 0.0],
+        np.float32,
+    )
+    y = E3M0Codec(block=8).roundtrip(x)
+    expected = np.array([1, 1, 0.5, 1 / 64, 1 / 64, 1 / 64, 0, 0], np.float32)
+    np.testing.assert_array_equal(y, expected)
+
+
+# --------------------------------------------------------------------------------------
+# stochastic rounding
+# --------------------------------------------------------------------------------------
+def test_e3m0_stochastic_unbiased_and_nearest_biased() -> None:
+    # One block: the max pins s = 1; the other values sit between levels and below the
+    # smallest one, where nearest rounding is biased.
+    base = np.array([1.0, 0.7, -0.3, 0.2, 0.011, -0.006, 0.003, 0.6], np.float32)
+    reps = 20_000
+    x = np.tile(base, reps)  # 20k copies, one block of 8 each
+    sr = E3M0Codec(block=8, rounding="stochastic")
+    y = sr.roundtrip(x, rng=np.random.default_rng(1)).reshape(reps, 8).astype(np.float64)
+    mean = y.mean(axis=0)
+    sd = y.std(axis=0) + 1e-12
+    # each column's mean is within 5 standard errors of the true value
+    assert np.all(np.abs(mean - base) <= 5 * sd / math.sqrt(reps) + 1e-9)
+    # the decoded values only ever take the two neighbouring levels
+    assert set(np.unique(np.abs(y[:, 1]))) <= {0.5, 1.0}
+    assert set(np.unique(np.abs(y[:, 6]))) <= {0.0, 1 / 64}
+    # nearest rounding of the same values is off by far more than that bound
+    near = E3M0Codec(block=8).roundtrip(base).astype(np.float64)
+    bias = np.abs(near - base)
+    assert bias[1] > 0.05 and bias[3] > 0.03 and bias[6] > 0.002
+    assert np.all(bias[[1, 3, 6]] > 20 * sd[[1, 3, 6]] / math.sqrt(reps))
+
+
+def test_e3m0_stochastic_reproducible_with_seed_and_default_rng() -> None:
+    x = np.linspace(-1, 1, 1001, dtype=np.float32)
+    sr = make_codec("e3m0-sr")
+    a = sr.encode(x, np.random.default_rng(7))
+    b = sr.encode(x, np.random.default_rng(7))
+    assert a == b
+    # without an rng a fresh generator is used; the result is still valid
+    y = sr.decode(sr.encode(x), x.size)
+    assert np.all(np.abs(y - x) <= 1.0)
+
+
+@FAST
+@given(vectors)
+def test_e3m0_stochastic_between_neighbours(x: np.ndarray) -> None:
+    c = E3M0Codec(block=16, rounding="stochastic")
+    p = c.encode(x, np.random.default_rng(0))
+    y = np.abs(c.decode(p, x.size).astype(np.float64))
+    ax = np.abs(x.astype(np.float64))
+    s = per_value(e3m0_scales(c, p, x.size), 16, x.size).astype(np.float64)
+    nz = ax > 0
+    # the chosen level is within a factor 2 of |x| above the smallest level, else 0 or s/64
+    above = ax >= s * 2.0**-6
+    assert np.all(y[above] <= 2 * ax[above] * (1 + 1e-6))
+    assert np.all(y[above] >= ax[above] / 2 * (1 - 1e-6))
+    below = nz & ~above
+    assert np.all((y[below] == 0) | np.isclose(y[below], s[below] / 64))
+    assert np.all(y[~nz] == 0)
+
+
+# --------------------------------------------------------------------------------------
+# bit-exact layouts
+# --------------------------------------------------------------------------------------
+def test_e3m0_packing_bit_exact() -> None:
+    c = E3M0Codec(block=4)
+    # s = 2.0 (bf16 0x4000): [s, s/2, -s/4, 0] -> codes 0, 1, 0xA, 7
+    p = c.encode(np.array([2.0, 1.0, -0.5, 0.0], np.float32))
+    assert p == bytes([0x00, 0x40, 0x10, 0x7A])
+    # odd length over two blocks: block 0 s=1 [1, -1/64, 1/8, -1], block 1 s=0.5 [-0.5]
+    x = np.array([1.0, -1 / 64, 1 / 8, -1.0, -0.5], np.float32)
+    p = c.encode(x)
+    scales = bytes([0x80, 0x3F, 0x00, 0x3F])  # 1.0 = 0x3F80, 0.5 = 0x3F00
+    codes = bytes([0xE0, 0x83, 0x78])  # (0, 0xE), (3, 8), (8, pad 7)
+    assert p == scales + codes
+    np.testing.assert_array_equal(c.decode(p, 5), x)
+
+
+def test_e3m0_scale_rounded_up() -> None:
+    # 1 + 2^-10 is not a bf16; the scale is rounded up to 1 + 2^-7
+    c = E3M0Codec(block=2)
+    x = np.array([1 + 2.0**-10, 0.0], np.float32)
+    p = c.encode(x)
+    assert p[:2] == struct.pack("<H", 0x3F81)
+    assert c.decode(p, 2)[0] == np.float32(1 + 2.0**-7)
+
+
+def test_e3m0_signed_zero_code_and_pad_ignored() -> None:
+    c = E3M0Codec(block=2)
+    scale = struct.pack("<H", 0x3F80)
+    # code 0xF (negative zero) decodes to +0.0; the pad nibble of an odd count is ignored
+    y = c.decode(scale + bytes([0xF0]), 1)
+    np.testing.assert_array_equal(y, [1.0])
+    y = c.decode(scale + bytes([0x0F]), 1)
+    assert y[0] == 0.0 and not np.signbit(y[0])
+    assert c.encode(np.array([-0.0], np.float32)) == bytes([0, 0, 0x77])
+
+
+def test_int8_layout_bit_exact() -> None:
+    c = Int8Codec(block=2)
+    x = np.array([127.0, -63.4, 0.0, 0.0, 2.54], np.float32)
+    p = c.encode(x)
+    last = np.float32(2.54) / np.float32(127)
+    expected = struct.pack("<2f", 1.0, 0.0) + last.astype("<f4").tobytes()
+    expected += bytes([127, 256 - 63, 0, 0, 127])
+    assert p == expected
+
+
+# --------------------------------------------------------------------------------------
+# shapes, dtypes, empties
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=IDS)
+def test_any_shape_and_dtype(codec: Codec) -> None:
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((3, 5, 7)).astype(np.float32)
+    whole = codec.roundtrip(base, np.random.default_rng(0))
+    assert whole.shape == (base.size,) and whole.dtype == np.float32
+    # non-contiguous views are flattened in C order of the view
+    view = base[:, ::2, 1:].transpose(2, 0, 1)
+    assert not view.flags.c_contiguous
+    got = codec.roundtrip(view, np.random.default_rng(0))
+    ref = codec.roundtrip(np.ascontiguousarray(view), np.random.default_rng(0))
+    np.testing.assert_array_equal(got, ref)
+    # 0-d
+    y = codec.roundtrip(np.float32(0.75), np.random.default_rng(0))
+    assert y.shape == (1,)
+    assert abs(float(y[0]) - 0.75) < 1e-6
+    # float16 and float64 inputs give the same bytes as their float32 values
+    for dt in (np.float16, np.float64):
+        xd = base.astype(dt)
+        assert codec.encode(xd, np.random.default_rng(0)) == codec.encode(
+            xd.astype(np.float32), np.random.default_rng(0)
+        )
+    # empty
+    assert codec.encode(np.zeros((0, 4), np.float32)) == b""
+    assert codec.encoded_size(0) == 0
+    e = codec.decode(b"", 0)
+    assert e.shape == (0,) and e.dtype == np.float32
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=IDS)
+def test_zeros_and_all_zero_blocks(codec: Codec) -> None:
+    x = np.zeros(300, np.float32)
+    x[200:210] = np.linspace(-1, 1, 10)
+    y = codec.roundtrip(x, np.random.default_rng(0))
+    assert np.all(y[:128] == 0) and np.all(y[256:] == 0)
+    assert not np.signbit(y[:128]).any()
+    np.testing.assert_array_equal(codec.roundtrip(np.zeros(17, np.float32)), np.zeros(17))
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=IDS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_rejected(codec: Codec, bad: float) -> None:
+    x = np.ones(10, np.float32)
+    x[3] = bad
+    x[7] = bad
+    with pytest.raises(CodecError, match=r"2 non-finite value\(s\), first at flat index 3"):
+        codec.encode(x)
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=IDS)
+def test_float64_out_of_float32_range_rejected(codec: Codec) -> None:
+    with pytest.raises(CodecError):
+        codec.encode(np.array([1.0, 1e300]))
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=IDS)
+def test_non_float_input_rejected(codec: Codec) -> None:
+    with pytest.raises(CodecError, match="floating"):
+        codec.encode(np.arange(4))
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=IDS)
+def test_decode_wrong_length_rejected(codec: Codec) -> None:
+    x = np.linspace(-1, 1, 37, dtype=np.float32)
+    p = codec.encode(x)
+    for bad in (p[:-1], p + b"\x00", b""):
+        with pytest.raises(CodecError, match="bytes, expected"):
+            codec.decode(bad, x.size)
+    with pytest.raises(CodecError):
+        codec.decode(p, x.size + 2)
+    with pytest.raises(CodecError):
+        codec.decode(p, -1)
+    # bytearray and memoryview payloads decode like bytes
+    np.testing.assert_array_equal(codec.decode(bytearray(p), 37), codec.decode(p, 37))
+    np.testing.assert_array_equal(codec.decode(memoryview(p), 37), codec.decode(p, 37))
+
+
+@pytest.mark.parametrize("bits", [0x7F80, 0xFF80, 0x7FC0, 0xBF80, 0x8000])
+def test_e3m0_bad_scale_rejected(bits: int) -> None:
+    c = E3M0Codec(block=4)
+    good = c.encode(np.ones(8, np.float32))
+    bad = good[:2] + struct.pack("<H", bits) + good[4:]
+    with pytest.raises(CodecError, match="scale"):
+        c.decode(bad, 8)
+
+
+@pytest.mark.parametrize("scale", [np.nan, np.inf, -1.0, 3e38])
+def test_int8_bad_scale_rejected(scale: float) -> None:
+    c = Int8Codec(block=4)
+    good = c.encode(np.ones(8, np.float32))
+    bad = struct.pack("<f", scale) + good[4:]
+    with pytest.raises(CodecError, match="scale"):
+        c.decode(bad, 8)
+
+
+def test_int8_code_minus_128_rejected() -> None:
+    c = Int8Codec(block=4)
+    good = c.encode(np.ones(4, np.float32))
+    with pytest.raises(CodecError, match="-128"):
+        c.decode(good[:4] + b"\x80" + good[5:], 4)
+
+
+@pytest.mark.parametrize("payload", [struct.pack("<f", np.nan), struct.pack("<f", np.inf)])
+def test_fp32_non_finite_payload_rejected(payload: bytes) -> None:
+    with pytest.raises(CodecError, match="non-finite"):
+        Fp32Codec().decode(payload, 1)
+    with pytest.raises(CodecError, match="non-finite"):
+        Bf16Codec().decode(payload[2:], 1)
+
+
+def test_int8_extreme_values_decode() -> None:
+    big = np.finfo(np.float32).max
+    x = np.array([big, -big, 1.0], np.float32)
+    y = Int8Codec().roundtrip(x)
+    assert np.isfinite(y).all()
+    assert abs(float(y[0]) - float(big)) <= float(big) / 254 * 1.001
+
+
+# --------------------------------------------------------------------------------------
+# sizes
+# --------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 1100))
+def test_encoded_size_matches(n: int) -> None:
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    for c in ALL_CODECS:
+        p = c.encode(x, np.random.default_rng(0))
+        assert len(p) == c.encoded_size(n)
+        assert c.decode(p, n).shape == (n,)
+
+
+def test_bits_per_value() -> None:
+    assert bits_per_value(make_codec("e3m0")) == 4.125
+    assert bits_per_value(make_codec("e3m0-sr")) == 4.125
+    assert bits_per_value(make_codec("int8")) == 8.25
+    assert bits_per_value(make_codec("bf16")) == 16.0
+    assert bits_per_value(make_codec("fp32")) == 32.0
+    assert E3M0Codec().encoded_size(128) == 2 + 64
+    assert E3M0Codec().encoded_size(129) == 4 + 65
+    with pytest.raises(ConfigError):
+        bits_per_value(make_codec("fp32"), 0)
+
+
+# --------------------------------------------------------------------------------------
+# chunked encoding
+# --------------------------------------------------------------------------------------
+@settings(max_examples=50, deadline=None)
+@given(
+    st.integers(0, 2000),
+    st.integers(1, 9),
+    st.sampled_from(["int8", "e3m0", "fp32", "bf16"]),
+    st.sampled_from([2, 8, 128]),
+)
+def test_chunked_encoding_equals_whole(n: int, parts: int, name: str, block: int) -> None:
+    c = make_codec(name, block=block)
+    x = (np.random.default_rng(n).standard_normal(n) * np.linspace(0.01, 10, n)).astype(
+        np.float32
+    )
+    whole = c.decode(c.encode(x), n)
+    bounds = chunk_bounds(n, parts, c.align)
+    pieces = [c.decode(c.encode(x[a:b]), b - a) for a, b in bounds]
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
+    assert sum(c.encoded_size(b - a) for a, b in bounds) >= c.encoded_size(n)
+
+
+# --------------------------------------------------------------------------------------
+# factory
+# --------------------------------------------------------------------------------------
+def test_make_codec() -> None:
+    assert CODEC_NAMES == ("fp32", "bf16", "int8", "e3m0", "e3m0-sr")
+    for name in CODEC_NAMES:
+        c = make_codec(name, block=64)
+        assert c.name == name
+        rebuilt = make_codec(c.name, block=getattr(c, "block", 128))
+        assert repr(rebuilt) == repr(c)
+    sr = make_codec("e3m0", rounding="stochastic")
+    assert isinstance(sr, E3M0Codec) and sr.rounding == "stochastic" and sr.name == "e3m0-sr"
+    assert isinstance(make_codec("E3M0-SR"), E3M0Codec)
+    assert make_codec("int8", block=32).align == 32
+    assert make_codec("e3m0", block=64).align == 64
+    assert make_codec("bf16").align == 1
+    with pytest.raises(ConfigError, match="fp32, bf16, int8, e3m0, e3m0-sr"):
+        make_codec("fp4")
+    with pytest.raises(ConfigError):
+        make_codec("e3m0", rounding="down")
+    with pytest.raises(ConfigError):
+        make_codec("int8", rounding="stochastic")
+    for bad_block in (0, 3, -2, 1):
+        with pytest.raises(ConfigError):
+            E3M0Codec(block=bad_block)
+    with pytest.raises(ConfigError):
+        Int8Codec(block=0)
+
+
+def test_e3m0_throughput_smoke() -> None:
+    # vectorised: a million values must take well under a second on a slow CPU
+    import time
+
+    x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+    c = E3M0Codec()
+    t = time.perf_counter()
+    c.decode(c.encode(x), x.size)
+    assert time.perf_counter() - t < 2.0
