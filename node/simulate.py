@@ -16,6 +16,7 @@ encoded sizes under a bandwidth-optimal all-reduce (reduce-scatter + all-gather)
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -145,6 +146,8 @@ class SimResult:
     syncs_skipped: int
     config: dict[str, Any]
     history: list[tuple[int, float]] = field(default_factory=list)
+    global_digests: list[str] = field(default_factory=list)
+    """sha256 of each replica's global copies: all equal when every round was applied whole"""
 
     @property
     def bytes_ratio(self) -> float:
@@ -155,6 +158,13 @@ class SimResult:
         d = asdict(self)
         d["bytes_ratio"] = self.bytes_ratio if self.bytes_per_replica else None
         return d
+
+
+def _digest(engine: OuterEngine) -> str:
+    h = hashlib.sha256()
+    for p in range(engine.num_fragments):
+        h.update(engine.global_params(p).tobytes())
+    return h.hexdigest()
 
 
 def _plan(cfg: SimConfig, model: torch.nn.Module) -> FragmentPlan:
@@ -209,6 +219,7 @@ def simulate(
             report(step, lambda: rep.model)
         eval_loss = evaluate(rep.model, val, device)
         compute_s, n_frags, applied, skipped = rep.timer.compute_s, 0, 0, 0
+        digests = []
     else:
         eng_cfg = cfg.engine_config()
         plan = _plan(cfg, model0)
@@ -277,6 +288,7 @@ def simulate(
         n_frags = len(plan)
         applied = sum(e.stats(p).applied for e in engines[:1] for p in range(len(plan)))
         skipped = sum(e.stats(p).skipped for e in engines[:1] for p in range(len(plan)))
+        digests = [_digest(e) for e in engines]
 
     result = SimResult(
         algo=cfg.algo,
@@ -293,6 +305,7 @@ def simulate(
         syncs_skipped=skipped,
         config={**asdict(cfg), "engine": asdict(cfg.engine_config()) if cfg.algo != "ddp" else None},
         history=[*history, (cfg.steps, eval_loss)],
+        global_digests=digests,
     )
     log.info("%s done: eval %.4f, %d bytes/replica", cfg.algo, eval_loss, sent)
     return result

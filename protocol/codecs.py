@@ -80,7 +80,9 @@ def _as_flat_f32(x: npt.ArrayLike, codec: str) -> F32Array:
         with np.errstate(over="ignore"):
             f = a.astype(np.float32)
         if a.itemsize > 4 and f.size and not np.isfinite(f).all():
-            raise CodecError(f"{codec}: input has {_describe_nonfinite(f)} after float32 conversion")
+            raise CodecError(
+                f"{codec}: input has {_describe_nonfinite(f)} after float32 conversion"
+            )
         return f
     return np.ascontiguousarray(a)
 
@@ -286,7 +288,8 @@ class Int8Codec(Codec):
         q = np.zeros(m.shape, dtype=np.float32)
         np.divide(m, scale[:, None], out=q, where=scale[:, None] > 0)
         codes = np.clip(np.rint(q), -127, 127).astype(np.int8).reshape(-1)[:n]
-        return scale.astype("<f4", copy=False).tobytes() + codes.tobytes()
+        payload: bytes = scale.astype("<f4", copy=False).tobytes() + codes.tobytes()
+        return payload
 
     def decode(self, data: Buffer, numel: int) -> F32Array:
         """Multiply codes by their block's scale; bad scales or code -128 raise CodecError."""
@@ -412,7 +415,8 @@ class E3M0Codec(Codec):
         # first n + n%2 codes already include the pad of an odd count.
         codes = codes[: n + (n & 1)]
         packed = codes[0::2] | (codes[1::2] << 4)
-        return bits.astype("<u2", copy=False).tobytes() + packed.tobytes()
+        payload: bytes = bits.astype("<u2", copy=False).tobytes() + packed.tobytes()
+        return payload
 
     # -- decoding ------------------------------------------------------------------------
     def decode(self, data: Buffer, numel: int) -> F32Array:

@@ -132,7 +132,8 @@ def reduce_encoded(
     (ALGORITHMS.md 2.4; Streaming DiLoCo, arXiv 2501.18512). ``rng`` is passed to the
     encoder (stochastic rounding only). Errors are those of :func:`weighted_mean`.
     """
-    return codec.encode(weighted_mean(contributions, codec, numel), rng=rng)
+    payload: bytes = codec.encode(weighted_mean(contributions, codec, numel), rng=rng)
+    return payload
 
 
 def chunk_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
@@ -244,11 +245,17 @@ def rda_mean_norm(norms: Sequence[float], weights: Sequence[float]) -> float:
         raise ConfigError(f"{len(norms)} norms but {len(weights)} weights")
     if len(norms) == 0:
         raise ConfigError("rda_mean_norm needs at least one norm")
+    values = np.empty(len(norms), dtype=np.float64)
     for i, v in enumerate(norms):
-        if not math.isfinite(float(v)) or float(v) < 0:
-            raise RejectedContribution(f"contribution {i}: norm must be finite and >= 0, not {v}")
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = math.nan
+        if not math.isfinite(f) or f < 0:
+            raise RejectedContribution(f"contribution {i}: norm must be finite and >= 0, not {v!r}")
+        values[i] = f
     w = _weights([Contribution(b"", wi) for wi in weights])
-    return float(np.dot(w, np.asarray(norms, dtype=np.float64)))
+    return float(np.dot(w, values))
 
 
 def rda_combine(direction_mean: npt.ArrayLike, mean_norm: float) -> F32Array:
