@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import platform
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
@@ -78,6 +80,28 @@ def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
     return runs
 
 
+def _progress(label: str) -> Any:
+    def report(p: Any) -> None:
+        print(f"  [{label}] step {p.step}/{p.steps} loss {p.loss:.4f} "
+              f"{p.tokens_per_s / 1e3:.1f} ktok/s", file=sys.stderr, flush=True)
+
+    return report
+
+
+_CORPUS: Any = None
+
+
+def _worker_init(threads: int) -> None:
+    global _CORPUS
+    torch.set_num_threads(threads)
+    _CORPUS = load_corpus("stdlib")
+
+
+def _worker_run(label: str, cfg: SimConfig) -> SimResult:
+    print(f"--- start: {label}", file=sys.stderr, flush=True)
+    return simulate(cfg, corpus=_CORPUS, progress=_progress(label))
+
+
 def summarize(labelled: list[tuple[str, SimResult]]) -> dict[str, Any]:
     by = dict(labelled)
     out: dict[str, Any] = {}
@@ -109,22 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (CPU only)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
 
     corpus = load_corpus("stdlib")
     runs = plan(args)
-    doc: dict[str, Any] = {"machine": machine(), "corpus": corpus.describe(), "argv": sys.argv[1:], "runs": []}
+    doc: dict[str, Any] = {
+        "machine": machine(), "corpus": corpus.describe(), "argv": sys.argv[1:], "jobs": args.jobs, "runs": [],
+    }
     results: list[tuple[str, SimResult]] = []
     t0 = time.perf_counter()
-    for i, (label, cfg) in enumerate(runs, 1):
-        print(f"--- run {i}/{len(runs)}: {label}", file=sys.stderr, flush=True)
 
-        def progress(p: Any, label: str = label) -> None:
-            print(f"  [{label}] step {p.step}/{p.steps} loss {p.loss:.4f} "
-                  f"{p.tokens_per_s / 1e3:.1f} ktok/s", file=sys.stderr, flush=True)
-
-        r = simulate(cfg.with_(), corpus=corpus, progress=progress)
+    def record(label: str, r: SimResult) -> None:
         r.config["label"] = label
         results.append((label, r))
         doc["runs"].append({"label": label, **r.as_dict()})
@@ -132,6 +153,21 @@ def main(argv: list[str] | None = None) -> int:
         doc["total_wall_s"] = time.perf_counter() - t0
         with open(args.json, "w") as f:  # rewritten after every run: partial results survive
             json.dump(doc, f, indent=2)
+
+    if args.jobs > 1:
+        # runs in parallel processes, one torch thread each: on a small model this beats
+        # one run on all cores (less threading overhead per op); wall_s is then per run
+        # under a shared machine, compare runs of one invocation only
+        ctx = multiprocessing.get_context("spawn")
+        threads = max(1, (os.cpu_count() or 1) // args.jobs)
+        with ProcessPoolExecutor(args.jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as ex:
+            futures = [ex.submit(_worker_run, label, cfg) for label, cfg in runs]
+            for (label, _), fut in zip(runs, futures, strict=True):
+                record(label, fut.result())
+    else:
+        for i, (label, cfg) in enumerate(runs, 1):
+            print(f"--- run {i}/{len(runs)}: {label}", file=sys.stderr, flush=True)
+            record(label, simulate(cfg, corpus=corpus, progress=_progress(label)))
     print(format_table([r for _, r in results]))
     print(json.dumps(doc["summary"], indent=2))
     return 0

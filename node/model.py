@@ -64,10 +64,10 @@ class ModelConfig:
     def approx_params(self) -> int:
         """Parameter count without building the model (embeddings counted once if tied)."""
         d = self.d_model
-        per_block = 4 * d * d + 2 * self.mlp_ratio * d * d + 4 * d
+        per_block = 4 * d * d + 2 * self.mlp_ratio * d * d + 2 * d  # attention, MLP, 2 norms
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         pos = self.seq_len * d if self.positions == "learned" else 0
-        return self.n_layers * per_block + emb + pos + 2 * d
+        return self.n_layers * per_block + emb + pos + d
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -106,22 +106,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x.float() * scale).type_as(x) * self.weight
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def _rope_tables(seq_len: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, laid out for the rotate-half form."""
     inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    angles = torch.cat((angles, angles), dim=-1)  # (seq, head_dim)
     return angles.cos(), angles.sin()
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (batch, heads, seq, head_dim); rotate pairs (even, odd) by position angles
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
-    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return out.flatten(-2)
+    """Rotary positions (RoFormer, arXiv 2104.09864) in the rotate-half layout.
+
+    x: (..., seq, head_dim); pairs (i, i + head_dim/2) rotate by the position's angle.
+    """
+    t, half = x.shape[-2], x.shape[-1] // 2
+    c, s = cos[:t].to(x.dtype), sin[:t].to(x.dtype)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * c + rotated * s
 
 
 class Block(nn.Module):
@@ -142,10 +146,13 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        if self.rope:
-            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, d // self.n_heads)
+        qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, batch, heads, seq, head_dim)
+        if self.rope:  # one rotation for q and k together
+            qk = _apply_rope(qkv[:2], cos, sin)
+            q, k, v = qk[0], qk[1], qkv[2]
+        else:
+            q, k, v = qkv[0], qkv[1], qkv[2]
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))

@@ -168,7 +168,7 @@ class Replica:
             ],
             lr=inner.lr,
             betas=(inner.beta1, inner.beta2),
-            fused=device.type == "cuda",
+            fused=True,  # one kernel for all tensors, on CPU and CUDA
         )
         self.views = FragmentViews(self.model, plan) if plan is not None else None
 
