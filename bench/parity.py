@@ -51,19 +51,34 @@ def machine() -> dict[str, Any]:
 
 def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
     base = SimConfig(
-        replicas=args.replicas, steps=args.steps, batch_size=args.batch_size, preset=args.preset,
-        device=args.device, seed=args.seed, eval_batches=args.eval_batches, log_every=max(1, args.steps // 10),
+        replicas=args.replicas,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        preset=args.preset,
+        device=args.device,
+        seed=args.seed,
+        eval_batches=args.eval_batches,
+        log_every=max(1, args.steps // 10),
     )
     runs: list[tuple[str, SimConfig]] = []
     if args.quick:
-        base = base.with_(preset="micro", replicas=2, steps=150, warmup=15, eval_batches=4, log_every=50)
+        base = base.with_(
+            preset="micro", replicas=2, steps=150, warmup=15, eval_batches=4, log_every=50
+        )
         return [
             ("ddp", base.with_(algo="ddp", lr=LR["ddp"])),
             ("diloco H=30", base.with_(algo="diloco", H=30, lr=LR["diloco"])),
-            ("streaming H=30", base.with_(algo="streaming", H=30, lr=LR["streaming"], blocks_per_fragment=1)),
+            (
+                "streaming H=30",
+                base.with_(algo="streaming", H=30, lr=LR["streaming"], blocks_per_fragment=1),
+            ),
         ]
     if args.sweep_lr:
-        for algo, lrs in (("ddp", (1e-3, 2e-3, 3e-3)), ("diloco", (2e-3, 3e-3, 4e-3)), ("streaming", (3e-3, 4e-3))):
+        for algo, lrs in (
+            ("ddp", (1e-3, 2e-3, 3e-3)),
+            ("diloco", (2e-3, 3e-3, 4e-3)),
+            ("streaming", (3e-3, 4e-3)),
+        ):
             for lr in lrs:
                 runs.append((f"{algo} lr={lr:g}", base.with_(algo=algo, lr=lr, H=30)))
         return runs
@@ -71,7 +86,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
         for mult in (1, 2, 4):
             cfg = base.with_(steps=args.steps * mult, log_every=max(1, args.steps * mult // 10))
             runs.append((f"ddp {mult}x", cfg.with_(algo="ddp", lr=LR["ddp"])))
-            runs.append((f"streaming H=30 {mult}x", cfg.with_(algo="streaming", H=30, lr=LR["streaming"])))
+            runs.append(
+                (f"streaming H=30 {mult}x", cfg.with_(algo="streaming", H=30, lr=LR["streaming"]))
+            )
         return runs
     runs.append(("ddp", base.with_(algo="ddp", lr=LR["ddp"])))
     for H in args.H:
@@ -82,8 +99,12 @@ def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
 
 def _progress(label: str) -> Any:
     def report(p: Any) -> None:
-        print(f"  [{label}] step {p.step}/{p.steps} loss {p.loss:.4f} "
-              f"{p.tokens_per_s / 1e3:.1f} ktok/s", file=sys.stderr, flush=True)
+        print(
+            f"  [{label}] step {p.step}/{p.steps} loss {p.loss:.4f} "
+            f"{p.tokens_per_s / 1e3:.1f} ktok/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return report
 
@@ -119,11 +140,15 @@ def summarize(labelled: list[tuple[str, SimResult]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", required=True, help="write results here")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="smoke size: micro model, < 2 minutes")
-    mode.add_argument("--long", action="store_true", help="ddp and streaming H=30 at 1x, 2x, 4x the budget")
+    mode.add_argument(
+        "--long", action="store_true", help="ddp and streaming H=30 at 1x, 2x, 4x the budget"
+    )
     mode.add_argument("--sweep-lr", action="store_true", help="inner learning-rate sweep at H=30")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--steps", type=int, default=1000)
@@ -140,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     corpus = load_corpus("stdlib")
     runs = plan(args)
     doc: dict[str, Any] = {
-        "machine": machine(), "corpus": corpus.describe(), "argv": sys.argv[1:], "jobs": args.jobs, "runs": [],
+        "machine": machine(),
+        "corpus": corpus.describe(),
+        "argv": sys.argv[1:],
+        "jobs": args.jobs,
+        "runs": [],
     }
     results: list[tuple[str, SimResult]] = []
     t0 = time.perf_counter()
@@ -160,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         # under a shared machine, compare runs of one invocation only
         ctx = multiprocessing.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // args.jobs)
-        with ProcessPoolExecutor(args.jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as ex:
+        with ProcessPoolExecutor(
+            args.jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)
+        ) as ex:
             futures = [ex.submit(_worker_run, label, cfg) for label, cfg in runs]
             for (label, _), fut in zip(runs, futures, strict=True):
                 record(label, fut.result())

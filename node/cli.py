@@ -53,15 +53,22 @@ class _ProgressPrinter:
 def format_table(results: Sequence[Any]) -> str:
     """The final comparison table; ratios are against the ddp row when there is one."""
     base = next((r for r in results if r.algo == "ddp"), None)
-    head = f"{'run':<22}{'eval loss':>10}{'vs ddp':>9}{'tokens':>12}{'MB/replica':>13}{'bytes ÷':>10}{'wall s':>9}"
+    head = (
+        f"{'run':<22}{'eval loss':>10}{'vs ddp':>9}{'tokens':>12}"
+        f"{'MB/replica':>13}{'bytes ÷':>10}{'wall s':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         label = r.config.get("label") or r.algo
         rel = f"{(r.eval_loss / base.eval_loss - 1) * 100:+.1f}%" if base and r is not base else ""
-        ratio = f"{r.bytes_ratio:.0f}x" if r.algo != "ddp" and r.bytes_per_replica else ("1x" if r.algo == "ddp" else "-")
+        ratio = (
+            f"{r.bytes_ratio:.0f}x"
+            if r.algo != "ddp" and r.bytes_per_replica
+            else ("1x" if r.algo == "ddp" else "-")
+        )
         lines.append(
-            f"{label:<22}{r.eval_loss:>10.4f}{rel:>9}{r.tokens:>12,}{r.bytes_per_replica / 1e6:>13.3f}"
-            f"{ratio:>10}{r.wall_s:>9.1f}"
+            f"{label:<22}{r.eval_loss:>10.4f}{rel:>9}{r.tokens:>12,}"
+            f"{r.bytes_per_replica / 1e6:>13.3f}{ratio:>10}{r.wall_s:>9.1f}"
         )
     return "\n".join(lines)
 
@@ -97,7 +104,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     corpus = load_corpus("stdlib")
     printer = _ProgressPrinter(sys.stderr)
     base = SimConfig(
-        replicas=args.replicas, steps=args.steps, preset=args.preset, H=args.H, warmup=min(50, args.steps // 10),
+        replicas=args.replicas,
+        steps=args.steps,
+        preset=args.preset,
+        H=args.H,
+        warmup=min(50, args.steps // 10),
         log_every=max(1, args.steps // 20),
     )
     results = []
@@ -112,8 +123,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from atoll.node.simulate import SimConfig
 
-    parser = argparse.ArgumentParser(prog="atoll", description="Peer-to-peer Streaming DiLoCo training.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    parser = argparse.ArgumentParser(
+        prog="atoll", description="Peer-to-peer Streaming DiLoCo training."
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser("simulate", help="train M replicas in one process, no network")

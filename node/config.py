@@ -62,7 +62,7 @@ def _base_type(cls: type, name: str) -> type:
 
 def _convert(cls: type, name: str, value: Any, source: str) -> Any:
     kind = _base_type(cls, name)
-    if value is None or isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+    if value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
         return value
     if isinstance(value, str):
         if kind is bool:
@@ -81,7 +81,9 @@ def _convert(cls: type, name: str, value: Any, source: str) -> Any:
     raise ConfigError(f"{source}: {name} must be {kind.__name__}, got {value!r}")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()
+) -> None:
     """One ``--flag`` per field; defaults stay None so later layers can tell what was given."""
     helps = field_help(cls)
     for f in dataclasses.fields(cls):
@@ -92,9 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         default = f.default if f.default is not dataclasses.MISSING else None
         text = f"{helps.get(f.name, '')} (default: {default})".strip()
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=text, metavar=kind.__name__.upper())
+            parser.add_argument(
+                flag, dest=f.name, type=kind, default=None, help=text, metavar=kind.__name__.upper()
+            )
 
 
 def load_toml(path: str | os.PathLike[str], section: str | None = None) -> dict[str, Any]:

@@ -139,7 +139,9 @@ def text_corpus(paths: Sequence[str | os.PathLike[str]]) -> Corpus:
             else:
                 yield str(f), f.read_bytes()
 
-    corpus = _build("+".join(f.name for f in files[:3]) + ("+..." if len(files) > 3 else ""), docs())
+    corpus = _build(
+        "+".join(f.name for f in files[:3]) + ("+..." if len(files) > 3 else ""), docs()
+    )
     if corpus.train.size < 2048:
         raise ConfigError(f"data too small to train on: {corpus.train.size} bytes")
     return corpus
@@ -178,7 +180,9 @@ class Batcher:
         chunk = self._take(self.corpus.train, rng, self.batch_size)
         return chunk[:, :-1], chunk[:, 1:]
 
-    def val_batches(self, n_batches: int, batch_size: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(
+        self, n_batches: int, batch_size: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A fixed validation set (independent of the training seed, so runs compare)."""
         rng = np.random.default_rng([0xA7011, self.seq_len])
         out = []

@@ -26,8 +26,8 @@ from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import TensorSpec
 
 __all__ = [
-    "PRESETS",
     "GPT",
+    "PRESETS",
     "ModelConfig",
     "build_model",
     "from_hf_config",
@@ -88,9 +88,7 @@ def model_config(preset: str, **overrides: Any) -> ModelConfig:
     try:
         base = PRESETS[preset]
     except KeyError:
-        raise ConfigError(
-            f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}"
-        ) from None
+        raise ConfigError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}") from None
     unknown = set(overrides) - set(asdict(base))
     if unknown:
         raise ConfigError(f"unknown model settings: {', '.join(sorted(unknown))}")
@@ -156,7 +154,8 @@ class Block(nn.Module):
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.mlp_norm(x))))
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.mlp_norm(x))))
+        return out
 
 
 class GPT(nn.Module):
@@ -169,7 +168,9 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        )
         cos, sin = _rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -152,7 +152,11 @@ class SimResult:
     @property
     def bytes_ratio(self) -> float:
         """Data-parallel bytes ÷ this run's bytes (inf when nothing was sent)."""
-        return self.ddp_bytes_per_replica / self.bytes_per_replica if self.bytes_per_replica else float("inf")
+        return (
+            self.ddp_bytes_per_replica / self.bytes_per_replica
+            if self.bytes_per_replica
+            else float("inf")
+        )
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -231,7 +235,10 @@ def simulate(
         views0 = reps[0].views
         assert views0 is not None
         initial = [views0.get(p) for p in range(len(plan))]
-        engines = [OuterEngine(eng_cfg, schedule, initial, seed=cfg.seed * 1000 + m) for m in range(cfg.replicas)]
+        engines = [
+            OuterEngine(eng_cfg, schedule, initial, seed=cfg.seed * 1000 + m)
+            for m in range(cfg.replicas)
+        ]
         codec = engines[0].codec
         in_flight: dict[int, list[SyncRequest]] = {}
         log.info("%s: %d fragments\n%s", cfg.algo, len(plan), plan.describe())
@@ -303,7 +310,10 @@ def simulate(
         fragments=n_frags,
         syncs_applied=applied,
         syncs_skipped=skipped,
-        config={**asdict(cfg), "engine": asdict(cfg.engine_config()) if cfg.algo != "ddp" else None},
+        config={
+            **asdict(cfg),
+            "engine": asdict(cfg.engine_config()) if cfg.algo != "ddp" else None,
+        },
         history=[*history, (cfg.steps, eval_loss)],
         global_digests=digests,
     )

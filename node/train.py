@@ -177,7 +177,9 @@ class Replica:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self, step: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> float:
+    def train_step(
+        self, step: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> float:
         """One inner step on this replica's deterministic batch (or on ``batches``); the loss."""
         if batches is None:
             batches = [self.batcher.batch(self.replica_id, step)]
@@ -197,7 +199,9 @@ class Replica:
             self.optimizer.step()
             value = float(loss.detach())
         if not math.isfinite(value):
-            raise FloatingPointError(f"replica {self.replica_id}: loss became {value} at step {step}")
+            raise FloatingPointError(
+                f"replica {self.replica_id}: loss became {value} at step {step}"
+            )
         return value
 
 

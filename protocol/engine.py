@@ -90,7 +90,9 @@ class EngineConfig:
         if not (0.0 <= self.alpha <= 1.0) or not math.isfinite(self.alpha):
             raise ConfigError(f"alpha must be in [0, 1], not {self.alpha}")
         if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}")
+            raise ConfigError(
+                f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}"
+            )
         self.make_codec()  # validates codec name and block
 
     def make_codec(self) -> Codec:
@@ -209,7 +211,9 @@ class OuterEngine:
             raise ConfigError(f"fragment {p} already has a sync in flight (round {frag.version})")
         local = np.asarray(local, dtype=np.float32).reshape(-1)
         if local.size != frag.global_params.size:
-            raise ConfigError(f"fragment {p}: {local.size} values, expected {frag.global_params.size}")
+            raise ConfigError(
+                f"fragment {p}: {local.size} values, expected {frag.global_params.size}"
+            )
         delta = frag.global_params - local
         if frag.residual is not None:
             delta += frag.residual
@@ -248,7 +252,9 @@ class OuterEngine:
             )
         averaged = np.asarray(averaged, dtype=np.float32).reshape(-1)
         if averaged.size != frag.global_params.size or not np.isfinite(averaged).all():
-            raise RoundAborted(f"fragment {p}: averaged result has a wrong size or non-finite values")
+            raise RoundAborted(
+                f"fragment {p}: averaged result has a wrong size or non-finite values"
+            )
         frag.optimizer.step(frag.global_params, averaged)
         frag.version += 1
         frag.tokens_mark = frag.pending_tokens

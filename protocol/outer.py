@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from atoll.protocol.errors import ConfigError
 
 __all__ = ["OuterConfig", "OuterSGD"]

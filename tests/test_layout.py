@@ -7,7 +7,12 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"node": "atoll.node", "protocol": "atoll.protocol", "dht": "atoll.dht", "security": "atoll.security"}
+PACKAGES = {
+    "node": "atoll.node",
+    "protocol": "atoll.protocol",
+    "dht": "atoll.dht",
+    "security": "atoll.security",
+}
 # who may import whom: dht and security only protocol; protocol nothing; node all
 ALLOWED = {
     "atoll.protocol": {"atoll.protocol"},
@@ -28,7 +33,9 @@ def test_every_package_on_disk_is_listed_for_the_wheel() -> None:
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
             on_disk.add(".".join([name, *rel.parts]))
-    assert on_disk == listed, f"missing from packages: {on_disk - listed}; stale: {listed - on_disk}"
+    assert on_disk == listed, (
+        f"missing from packages: {on_disk - listed}; stale: {listed - on_disk}"
+    )
 
 
 def test_package_dirs_map_to_atoll_namespace() -> None:

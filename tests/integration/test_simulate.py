@@ -25,7 +25,9 @@ def corpus():
     return stdlib_corpus()
 
 
-BASE = SimConfig(preset="micro", replicas=2, steps=60, batch_size=8, warmup=6, eval_batches=4, log_every=20)
+BASE = SimConfig(
+    preset="micro", replicas=2, steps=60, batch_size=8, warmup=6, eval_batches=4, log_every=20
+)
 
 
 @pytest.mark.parametrize("algo", ["ddp", "diloco", "streaming"])
@@ -67,13 +69,32 @@ def test_streaming_is_deterministic(corpus) -> None:
 
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(ATOLL), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [str(ATOLL), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_cli_simulate_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    p = _run("simulate", "--preset", "micro", "--replicas", "2", "--steps", "20", "--H", "10",
-             "--batch-size", "4", "--log-every", "10", "--eval-batches", "2", "--json", str(out))
+    p = _run(
+        "simulate",
+        "--preset",
+        "micro",
+        "--replicas",
+        "2",
+        "--steps",
+        "20",
+        "--H",
+        "10",
+        "--batch-size",
+        "4",
+        "--log-every",
+        "10",
+        "--eval-batches",
+        "2",
+        "--json",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr
     assert "streaming" in p.stdout and "eval loss" in p.stdout
     assert "step    20/20" in p.stderr
@@ -97,7 +118,10 @@ def test_parity_quick_smoke(tmp_path: Path) -> None:
     out = tmp_path / "quick.json"
     p = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "parity.py"), "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=170, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=ROOT,
     )
     assert p.returncode == 0, p.stderr[-2000:]
     doc = json.loads(out.read_text())

@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import (
     Fragment,
@@ -13,8 +16,6 @@ from atoll.protocol.fragments import (
     plan_balanced,
     plan_fragments,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 FAST = settings(max_examples=100, deadline=None)
 

@@ -109,7 +109,7 @@ def test_bad_data_is_a_clear_error(tmp_path: Path) -> None:
         text_corpus([tmp_path / "nope.txt"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\nnot json\n')
-    with pytest.raises(ConfigError, match="bad.jsonl:2"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2"):
         text_corpus([bad])
     (tmp_path / "small.txt").write_text("tiny")
     with pytest.raises(ConfigError, match="too small"):

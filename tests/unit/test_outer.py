@@ -7,6 +7,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
+
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.outer import OuterConfig, OuterSGD
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from atoll.protocol.errors import ConfigError
-from atoll.protocol.schedule import Schedule
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.schedule import Schedule
 
 FAST = settings(max_examples=100, deadline=None)
 
