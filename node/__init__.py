@@ -1,1 +1,11 @@
-"""atoll.node."""
+"""atoll.node: the daemon, the composition root (nothing imports it).
+
+Map of the modules:
+
+- ``cli``       the ``atoll`` command line (``simulate``, ``demo``, ``version``)
+- ``config``    frozen dataclasses mapped to CLI flags, TOML and ``ATOLL_*`` variables
+- ``model``     the built-in decoder-only transformer and its presets
+- ``data``      the no-download corpus (the stdlib's source) and deterministic batches
+- ``train``     one replica: inner AdamW, warmup + cosine, fragment views, evaluation
+- ``simulate``  M replicas in one process driving the protocol engine, with byte counts
+"""

@@ -13,3 +13,72 @@ Map of the modules:
 Everything here works on flat float32 numpy vectors, so a bootstrap peer can import it
 without torch and the network process can run it on bytes it received.
 """
+
+from atoll.protocol.codecs import CODEC_NAMES, Codec, make_codec
+from atoll.protocol.engine import (
+    EngineConfig,
+    FragmentStats,
+    OuterEngine,
+    SyncRequest,
+    average_requests,
+)
+from atoll.protocol.errors import (
+    AtollError,
+    CodecError,
+    ConfigError,
+    ExchangeTimeout,
+    PeerUnavailable,
+    RejectedContribution,
+    RejectedInput,
+    RetryableError,
+    RoundAborted,
+)
+from atoll.protocol.fragments import (
+    Fragment,
+    FragmentPlan,
+    TensorSpec,
+    plan_balanced,
+    plan_fragments,
+)
+from atoll.protocol.outer import OuterConfig, OuterSGD
+from atoll.protocol.reduce import (
+    Contribution,
+    allreduce_bytes_per_peer,
+    chunk_bounds,
+    reduce_encoded,
+    weighted_mean,
+)
+from atoll.protocol.schedule import Schedule
+
+__all__ = [
+    "CODEC_NAMES",
+    "AtollError",
+    "Codec",
+    "CodecError",
+    "ConfigError",
+    "Contribution",
+    "EngineConfig",
+    "ExchangeTimeout",
+    "Fragment",
+    "FragmentPlan",
+    "FragmentStats",
+    "OuterConfig",
+    "OuterEngine",
+    "OuterSGD",
+    "PeerUnavailable",
+    "RejectedContribution",
+    "RejectedInput",
+    "RetryableError",
+    "RoundAborted",
+    "Schedule",
+    "SyncRequest",
+    "TensorSpec",
+    "allreduce_bytes_per_peer",
+    "average_requests",
+    "chunk_bounds",
+    "make_codec",
+    "plan_balanced",
+    "plan_fragments",
+    "reduce_encoded",
+    "weighted_mean",
+]

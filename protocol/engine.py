@@ -96,8 +96,7 @@ class EngineConfig:
         self.make_codec()  # validates codec name and block
 
     def make_codec(self) -> Codec:
-        rounding = "nearest"
-        return make_codec(self.codec, block=self.codec_block, rounding=rounding)
+        return make_codec(self.codec, block=self.codec_block)
 
 
 @dataclass(frozen=True, slots=True)

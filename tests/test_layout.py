@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -78,3 +80,8 @@ def test_protocol_does_not_import_torch() -> None:
         if {m.split(".")[0] for m in _imports(path)} & {"torch", "trio", "libp2p", "socket"}:
             heavy.append(str(path.relative_to(ROOT)))
     assert not heavy
+
+
+def test_importing_the_protocol_loads_no_torch() -> None:
+    code = "import sys, atoll.protocol; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
