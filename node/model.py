@@ -29,6 +29,7 @@ __all__ = [
     "GPT",
     "PRESETS",
     "ModelConfig",
+    "build",
     "build_model",
     "from_hf_config",
     "model_config",
@@ -235,12 +236,18 @@ def tensor_specs(model: nn.Module) -> list[TensorSpec]:
     return specs
 
 
-def from_hf_config(hf_config: Any, seed: int = 0) -> nn.Module:
-    """Build a Hugging Face causal LM from its config (needs the ``transformers`` extra).
+def from_hf_config(hf_config: Any, seed: int = 0) -> HFCausalLM:
+    """Build a Hugging Face causal LM from its config (needs the ``transformers`` extra)."""
+    transformers = _transformers()
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return HFCausalLM(transformers.AutoModelForCausalLM.from_config(hf_config))
+    finally:
+        torch.random.set_rng_state(gen_state)
 
-    The result's ``forward(idx)`` returns an object with ``.logits``; wrap it with
-    :class:`HFCausalLM` to use it with the trainer.
-    """
+
+def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
@@ -248,8 +255,31 @@ def from_hf_config(hf_config: Any, seed: int = 0) -> nn.Module:
             "a Hugging Face model config needs the optional 'transformers' package: "
             "pip install 'atoll[hf]'"
         ) from None
-    torch.manual_seed(seed)
-    return HFCausalLM(transformers.AutoModelForCausalLM.from_config(hf_config))
+    return transformers
+
+
+def build(spec: str, seed: int = 0, max_seq_len: int = 1024) -> tuple[nn.Module, int]:
+    """A model and its training sequence length from a preset name or ``hf:CONFIG``.
+
+    ``hf:path`` names a local Hugging Face ``config.json`` (or its folder); nothing is
+    downloaded. Its vocabulary must cover the 256 byte values.
+    """
+    if not spec.startswith("hf:"):
+        cfg = model_config(spec)
+        return build_model(cfg, seed), cfg.seq_len
+    path = spec[3:]
+    try:
+        hf_cfg = _transformers().AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the Hugging Face config {path}: {e}") from None
+    if getattr(hf_cfg, "vocab_size", 0) < 256:
+        raise ConfigError(f"{path}: vocab_size must be >= 256 for byte-level data")
+    positions: int = (
+        getattr(hf_cfg, "max_position_embeddings", None)
+        or getattr(hf_cfg, "n_positions", None)
+        or max_seq_len
+    )
+    return from_hf_config(hf_cfg, seed), min(int(positions), max_seq_len)
 
 
 class HFCausalLM(nn.Module):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from atoll.node.data import Batcher, Corpus, load_corpus
-from atoll.node.model import build_model, model_config, tensor_specs
+from atoll.node.model import build, tensor_specs
 from atoll.node.train import InnerConfig, Replica, evaluate, resolve_device
 from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
 from atoll.protocol.errors import ConfigError
@@ -55,7 +55,7 @@ class SimConfig:
     batch_size: int = 16
     """sequences per replica per step"""
     preset: str = "tiny"
-    """model preset (micro, tiny, small, base, 125m, 350m, 1b)"""
+    """model preset (micro, tiny, small, base, 125m, 350m, 1b) or hf:CONFIG.json"""
     data: str = "stdlib"
     """'stdlib' or comma-separated text/jsonl files or folders"""
     seed: int = 0
@@ -190,10 +190,9 @@ def simulate(
     """Run one simulated training job and return what it measured."""
     device = resolve_device(cfg.device)
     corpus = corpus if corpus is not None else load_corpus(cfg.data)
-    mcfg = model_config(cfg.preset)
-    batcher = Batcher(corpus, mcfg.seq_len, cfg.batch_size, cfg.seed)
+    model0, seq_len = build(cfg.preset, cfg.seed)
+    batcher = Batcher(corpus, seq_len, cfg.batch_size, cfg.seed)
     val = batcher.val_batches(cfg.eval_batches, 16)
-    model0 = build_model(mcfg, cfg.seed)
     n_params = sum(p.numel() for p in model0.parameters())
     inner = cfg.inner_config()
     tokens_per_step = cfg.replicas * batcher.tokens_per_batch

@@ -114,3 +114,32 @@ def test_bad_data_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "small.txt").write_text("tiny")
     with pytest.raises(ConfigError, match="too small"):
         text_corpus([tmp_path / "small.txt"])
+
+
+def test_hugging_face_config_trains_when_transformers_is_installed(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    cfg.save_pretrained(tmp_path)
+    from atoll.node.model import build
+
+    model, seq_len = build(f"hf:{tmp_path}")
+    assert seq_len == 32
+    specs = tensor_specs(model)
+    assert {s.block for s in specs} == {0, 1, None}
+    plan = plan_fragments(specs, blocks_per_fragment=1)
+    assert len(plan) == 3
+    x = torch.randint(0, 256, (2, 33))
+    assert math.isfinite(float(model.loss(x[:, :-1], x[:, 1:])))  # type: ignore[operator]
+
+
+def test_hugging_face_config_errors_are_clear(tmp_path: Path) -> None:
+    from atoll.node.model import build
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="transformers"):
+            build(f"hf:{tmp_path}")
+    else:
+        with pytest.raises(ConfigError, match="cannot read"):
+            build(f"hf:{tmp_path / 'missing'}")
