@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from pathlib import Path
 
@@ -28,7 +29,13 @@ def test_every_setting_has_a_flag_with_help() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p, SimConfig)
     text = p.format_help()
-    for flag in ("--algo", "--replicas", "--blocks-per-fragment", "--error-feedback", "--no-final-sync"):
+    for flag in (
+        "--algo",
+        "--replicas",
+        "--blocks-per-fragment",
+        "--error-feedback",
+        "--no-final-sync",
+    ):
         assert flag in text
     assert "ddp, diloco or streaming" in field_help(SimConfig)["algo"]
 
@@ -67,7 +74,7 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert lr_at(110, cfg) == pytest.approx(0.1)
     assert lr_at(500, cfg) == pytest.approx(0.1)
     lrs = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
     assert math.isfinite(lr_at(0, InnerConfig(warmup=0)))
 
 
