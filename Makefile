@@ -27,7 +27,7 @@ test: venv
 
 lint: venv
 	@$(VENV)/bin/ruff check .
-	@$(VENV)/bin/ruff format --check . || true
+	@$(VENV)/bin/ruff format --check .
 
 typecheck: venv
 	@mkdir -p .typecheck/atoll && for p in node protocol dht security; do ln -sfn ../../$$p .typecheck/atoll/$$p; done

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -285,7 +286,12 @@ class OuterEngine:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: global copies, outer states, residuals, versions.
+
+        A sync in flight is not part of it: a restored engine starts with none pending,
+        as if that round had been skipped.
+        """
         return {
             "tokens": self._tokens,
             "fragments": [
@@ -299,6 +305,47 @@ class OuterEngine:
                 for f in self._frags
             ],
         }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; ConfigError when it does not fit this engine."""
+        try:
+            frags = list(state["fragments"])
+            tokens = int(state["tokens"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"engine state is malformed: {e!r}") from None
+        if len(frags) != len(self._frags):
+            raise ConfigError(
+                f"engine state has {len(frags)} fragments, expected {len(self._frags)}"
+            )
+        restored = []
+        for p, (mine, saved) in enumerate(zip(self._frags, frags, strict=True)):
+            glob = np.asarray(saved["global"])
+            if glob.dtype != np.float32 or glob.shape != mine.global_params.shape:
+                raise ConfigError(f"fragment {p}: saved global copy has a wrong shape or dtype")
+            if not np.isfinite(glob).all():
+                raise ConfigError(f"fragment {p}: saved global copy has non-finite values")
+            opt = OuterSGD(glob.size, self.config.outer)
+            opt.load_state_dict(saved["optimizer"])
+            residual = saved["residual"]
+            if self.config.error_feedback:
+                residual = (
+                    np.zeros_like(glob) if residual is None else np.asarray(residual, np.float32)
+                )
+                if residual.shape != glob.shape:
+                    raise ConfigError(f"fragment {p}: saved residual has a wrong shape")
+            else:
+                residual = None
+            restored.append(
+                _Fragment(
+                    global_params=glob.copy(),
+                    optimizer=opt,
+                    residual=None if residual is None else residual.copy(),
+                    version=int(saved["version"]),
+                    tokens_mark=int(saved["tokens_mark"]),
+                )
+            )
+        self._frags = restored  # all or nothing: nothing changed if any check failed
+        self._tokens = tokens
 
 
 def average_requests(

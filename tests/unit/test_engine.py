@@ -139,3 +139,38 @@ def test_engine_config_validation() -> None:
         EngineConfig(codec="fp7")
     with pytest.raises(ConfigError):
         EngineConfig(aggregation="median")
+
+
+def test_state_dict_round_trip_resumes_identically() -> None:
+    cfg = EngineConfig(H=3, tau=0, alpha=0.0, codec="e3m0", error_feedback=True)
+    init = [np.zeros(300, np.float32), np.ones(40, np.float32)]
+    a, b = _engines(2, cfg, init)
+    rng = np.random.default_rng(5)
+    for p in (0, 1):
+        a.add_tokens(7)
+        req = a.begin(p, rng.normal(size=init[p].size).astype(np.float32), 2)
+        avg, _ = average_requests([req], a.codec)
+        a.deliver(p, avg, req.round)
+    b.load_state_dict(a.state_dict())
+    local = rng.normal(size=300).astype(np.float32)
+    for eng in (a, b):
+        eng.add_tokens(3)
+    ra, rb = a.begin(0, local, 5), b.begin(0, local, 5)
+    assert ra.payload == rb.payload and ra.weight == rb.weight and ra.round == rb.round == 1
+    avg, _ = average_requests([ra], a.codec)
+    np.testing.assert_array_equal(a.deliver(0, avg, 1), b.deliver(0, avg, 1))
+
+
+def test_load_state_dict_refuses_a_misfit_and_changes_nothing() -> None:
+    cfg = EngineConfig(H=3, tau=0, codec="fp32")
+    (a,) = _engines(1, cfg, [np.zeros(5, np.float32)])
+    (b,) = _engines(1, cfg, [np.zeros(6, np.float32)])
+    with pytest.raises(ConfigError, match="wrong shape"):
+        b.load_state_dict(a.state_dict())
+    with pytest.raises(ConfigError, match="malformed"):
+        b.load_state_dict({"fragments": []})
+    state = a.state_dict()
+    state["fragments"][0]["global"] = np.full(5, np.nan, np.float32)
+    with pytest.raises(ConfigError, match="non-finite"):
+        a.load_state_dict(state)
+    np.testing.assert_array_equal(a.global_params(0), 0)
