@@ -83,7 +83,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
                 runs.append((f"{algo} lr={lr:g}", base.with_(algo=algo, lr=lr, H=30)))
         return runs
     if args.long:
-        for mult in (1, 2, 4):
+        for mult in args.mults:
             cfg = base.with_(steps=args.steps * mult, log_every=max(1, args.steps * mult // 10))
             runs.append((f"ddp {mult}x", cfg.with_(algo="ddp", lr=LR["ddp"])))
             runs.append(
@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--mults", type=int, nargs="+", default=[1, 2, 4], help="--long: budget multiples"
+    )
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (CPU only)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

@@ -27,7 +27,7 @@ import torch
 
 from atoll.node.data import Batcher, Corpus, load_corpus
 from atoll.node.model import build, tensor_specs
-from atoll.node.train import InnerConfig, Replica, evaluate, resolve_device
+from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, resolve_device
 from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import Fragment, FragmentPlan, plan_fragments
@@ -228,12 +228,10 @@ def simulate(
         plan = _plan(cfg, model0)
         schedule = Schedule(cfg.H, len(plan))
         reps = [
-            Replica(copy.deepcopy(model0), inner, batcher, m, device, plan)
-            for m in range(cfg.replicas)
+            Replica(copy.deepcopy(model0), inner, batcher, m, device) for m in range(cfg.replicas)
         ]
-        views0 = reps[0].views
-        assert views0 is not None
-        initial = [views0.get(p) for p in range(len(plan))]
+        views = [FragmentViews(r.model, plan) for r in reps]
+        initial = [views[0].get(p) for p in range(len(plan))]
         engines = [
             OuterEngine(eng_cfg, schedule, initial, seed=cfg.seed * 1000 + m)
             for m in range(cfg.replicas)
@@ -247,24 +245,20 @@ def simulate(
             requests = in_flight.pop(p)
             averaged, nbytes = average_requests(requests, codec, eng_cfg.aggregation)
             sent += nbytes
-            for rep, eng in zip(reps, engines, strict=True):
-                assert rep.views is not None
+            for view, eng in zip(views, engines, strict=True):
                 eng.deliver(p, averaged, requests[0].round)
-                rep.views.set(p, eng.merge(p, rep.views.get(p)))
+                view.set(p, eng.merge(p, view.get(p)))
 
         def start(p: int, step: int) -> None:
             in_flight[p] = [
-                eng.begin(p, rep.views.get(p), step)  # type: ignore[union-attr]
-                for rep, eng in zip(reps, engines, strict=True)
+                eng.begin(p, view.get(p), step) for view, eng in zip(views, engines, strict=True)
             ]
 
         def global_model() -> torch.nn.Module:
             m = copy.deepcopy(reps[0].model)
-            from atoll.node.train import FragmentViews
-
-            views = FragmentViews(m, plan)
+            global_views = FragmentViews(m, plan)
             for p in range(len(plan)):
-                views.set(p, engines[0].global_params(p))
+                global_views.set(p, engines[0].global_params(p))
             return m
 
         last_start = [-1] * len(plan)

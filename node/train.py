@@ -151,7 +151,6 @@ class Replica:
         batcher: Batcher,
         replica_id: int,
         device: torch.device,
-        plan: FragmentPlan | None = None,
     ) -> None:
         self.model = model.to(device)
         self.inner = inner
@@ -170,7 +169,6 @@ class Replica:
             betas=(inner.beta1, inner.beta2),
             fused=True,  # one kernel for all tensors, on CPU and CUDA
         )
-        self.views = FragmentViews(self.model, plan) if plan is not None else None
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.device.type == "cuda":
