@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -80,6 +81,8 @@ class SimConfig:
     error_feedback: bool = False
     aggregation: str = "mean"
     """mean or rda"""
+    fail_prob: float = 0.0
+    """probability that a round's exchange fails (all members skip it): fault injection"""
     final_sync: bool = True
     """sync every fragment once more at the end so the global model holds all the work"""
     eval_batches: int = 16
@@ -93,6 +96,8 @@ class SimConfig:
             raise ConfigError(f"algo must be one of {', '.join(ALGOS)}, not {self.algo!r}")
         if self.replicas < 1 or self.steps < 1 or self.batch_size < 1:
             raise ConfigError("replicas, steps and batch_size must be >= 1")
+        if not 0.0 <= self.fail_prob <= 1.0:
+            raise ConfigError(f"fail_prob must be in [0, 1], not {self.fail_prob}")
 
     def engine_config(self) -> EngineConfig:
         streaming = self.algo == "streaming"
@@ -240,11 +245,18 @@ def simulate(
         in_flight: dict[int, list[SyncRequest]] = {}
         log.info("%s: %d fragments\n%s", cfg.algo, len(plan), plan.describe())
 
-        def finish(p: int) -> None:
+        faults = random.Random(cfg.seed)
+
+        def finish(p: int, final: bool = False) -> None:
             nonlocal sent
             requests = in_flight.pop(p)
             averaged, nbytes = average_requests(requests, codec, eng_cfg.aggregation)
-            sent += nbytes
+            sent += nbytes  # a failed round counts as sent in full: an upper bound
+            if not final and cfg.fail_prob and faults.random() < cfg.fail_prob:
+                for eng in engines:  # the exchange broke: every member skips, none applies
+                    eng.skip(p, "injected fault")
+                return
+            applied_upto[p] = requests[0].step
             for view, eng in zip(views, engines, strict=True):
                 eng.deliver(p, averaged, requests[0].round)
                 view.set(p, eng.merge(p, view.get(p)))
@@ -261,7 +273,7 @@ def simulate(
                 global_views.set(p, engines[0].global_params(p))
             return m
 
-        last_start = [-1] * len(plan)
+        applied_upto = [-1] * len(plan)  # step of the last start whose round was applied
         for step in range(cfg.steps):
             step_losses = []
             for rep, eng in zip(reps, engines, strict=True):
@@ -272,7 +284,6 @@ def simulate(
                 finish(p)
             for p in schedule.due(step):
                 start(p, step)
-                last_start[p] = step
                 if eng_cfg.tau == 0:
                     finish(p)
             report(step, global_model)
@@ -280,9 +291,9 @@ def simulate(
             finish(p)
         if cfg.final_sync:
             for p in range(len(plan)):
-                if last_start[p] < cfg.steps - 1:
+                if applied_upto[p] < cfg.steps - 1:
                     start(p, cfg.steps - 1)
-                    finish(p)
+                    finish(p, final=True)
         eval_loss = evaluate(global_model(), val, device)
         compute_s = sum(r.timer.compute_s for r in reps)
         n_frags = len(plan)

@@ -132,3 +132,15 @@ def test_parity_quick_smoke(tmp_path: Path) -> None:
         assert r["eval_loss"] < math.log(256) - 1.0
     assert len({r["tokens"] for r in runs.values()}) == 1
     assert runs["ddp"]["bytes_per_replica"] > 100 * runs["streaming H=30"]["bytes_per_replica"]
+
+
+def test_failed_rounds_are_skipped_whole_and_training_goes_on(corpus) -> None:
+    cfg = BASE.with_(algo="streaming", H=10, blocks_per_fragment=1, fail_prob=0.5, seed=3)
+    r = simulate(cfg, corpus=corpus)
+    assert r.syncs_skipped > 0 and r.syncs_applied > 0
+    assert len(set(r.global_digests)) == 1  # nobody applied a round the others skipped
+    assert r.eval_loss < math.log(256) - 1.0
+    # every round failing: the global model never moves but for the final sync
+    never = simulate(cfg.with_(fail_prob=1.0, final_sync=False), corpus=corpus)
+    assert never.syncs_applied == 0 and never.syncs_skipped > 0
+    assert never.eval_loss == pytest.approx(math.log(256), abs=0.3)
