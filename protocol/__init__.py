@@ -9,6 +9,8 @@ Map of the modules:
 - ``schedule``   which fragment syncs at which inner step
 - ``outer``      the outer optimizer (Nesterov SGD on fp32 global copies)
 - ``engine``     per-fragment outer state: begin a sync, deliver a result, or skip
+- ``manifest``   the run manifest (TOML) whose hash identifies a run
+- ``messages``   wire messages (msgpack, typed and size-checked) and length-prefixed frames
 
 Everything here works on flat float32 numpy vectors, so a bootstrap peer can import it
 without torch and the network process can run it on bytes it received.

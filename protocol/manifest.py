@@ -1,0 +1,506 @@
+"""The run manifest: the one document that defines a training run for every peer.
+
+A swarm trains one model under one set of rules. Everything the peers must agree on (model
+preset, data, schedule, codec, outer optimizer, group sizes, timeouts) lives in a small
+TOML file, the *manifest*; its :meth:`RunManifest.run_id` is a sha256 over a canonical
+encoding of it and identifies the run on the wire and in the DHT. Two peers whose run ids
+differ never average together, so a peer with another learning rate, H or codec cannot
+poison a run by accident::
+
+    name = "tiny-stdlib"
+    H = 100
+    codec = "e3m0"
+
+    [group]
+    min_quorum = 2
+    max_size = 8
+
+    [timeouts]
+    round_s = 120.0
+
+Keys left out take their defaults; unknown keys are refused with the closest known name,
+so a typo never silently falls back to a default. A value of the wrong type, or out of
+range, raises :class:`~atoll.protocol.errors.ConfigError` naming the key and the file.
+
+Equal manifests have equal run ids: values are normalised first (an integer given for a
+float becomes that float, ``-0.0`` becomes ``0.0``, codec names and the corpus hash are
+lowercased), so that two spellings of the same run cannot split a swarm in two.
+
+This module is pure: :meth:`RunManifest.from_toml` takes text, and only the convenience
+:meth:`RunManifest.load` reads a file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import math
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from atoll.protocol.codecs import make_codec
+from atoll.protocol.engine import AGGREGATIONS, EngineConfig
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.fragments import EXTRAS_RULES
+from atoll.protocol.outer import OuterConfig
+
+__all__ = [
+    "MANIFEST_VERSION",
+    "GroupSettings",
+    "RunManifest",
+    "Timeouts",
+    "short_id",
+]
+
+MANIFEST_VERSION: int = 1
+"""Version of the canonical encoding hashed into the run id; bump it when fields change
+meaning, so that peers of different atoll releases cannot share a run by accident."""
+
+_NAME_MAX = 100
+_STR_MAX = 1000
+_INT_BOUND = 1 << 63  # every integer must fit a msgpack int64
+_HEX = frozenset("0123456789abcdef")
+
+
+# -- shared checks -------------------------------------------------------------------------
+def _describe(value: object) -> str:
+    """``value`` with its TOML-ish type, short enough for an error message."""
+    if isinstance(value, bool):
+        kind = "a boolean"
+    elif isinstance(value, int):
+        kind = "an integer"
+    elif isinstance(value, float):
+        kind = "a float"
+    elif isinstance(value, str):
+        kind = "a string"
+    elif isinstance(value, list | tuple):
+        kind = "an array"
+    elif isinstance(value, dict):
+        kind = "a table"
+    else:
+        kind = f"a {type(value).__name__}"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{kind} {text}"
+
+
+def _scalar(key: str, value: object, kind: object) -> object:
+    """Check ``value`` against the field type ``kind`` and return its normal form."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, not {_describe(value)}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, not {_describe(value)}")
+        if not -_INT_BOUND <= value < _INT_BOUND:
+            raise ConfigError(f"{key} is out of the 64-bit integer range: {value}")
+        return int(value)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, not {_describe(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ConfigError(f"{key} is too large: {value}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} must be a finite number, not {number}")
+        return number + 0.0  # -0.0 + 0.0 == +0.0: one encoding for one value
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, not {_describe(value)}")
+        if len(value) > _STR_MAX:
+            raise ConfigError(f"{key} is longer than {_STR_MAX} characters")
+        if not value.isprintable():
+            # no control characters or lone surrogates: the value goes into logs and
+            # into a UTF-8 encoding that is hashed
+            raise ConfigError(f"{key} holds a non-printable character: {value!r}")
+        return value
+    raise AssertionError(f"unsupported manifest field type {kind!r}")  # pragma: no cover
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _normalise(obj: Any, prefix: str) -> None:
+    """Type-check every scalar field of the dataclass ``obj`` and store its normal form."""
+    hints = _hints(obj.__class__)
+    for f in fields(obj):
+        kind = hints[f.name]
+        value = getattr(obj, f.name)
+        if isinstance(kind, type) and is_dataclass(kind):
+            if not isinstance(value, kind):
+                raise ConfigError(
+                    f"{prefix}{f.name} must be a {kind.__name__} (the [{f.name}] table), "
+                    f"not {_describe(value)}"
+                )
+            continue
+        object.__setattr__(obj, f.name, _scalar(prefix + f.name, value, kind))
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, not {value}")
+
+
+# -- the settings ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GroupSettings:
+    """How averaging groups form (the ``[group]`` table).
+
+    A round needs ``min_quorum`` peers; once that many are ready, the group waits
+    ``grace_s`` more for late peers, up to ``max_size`` members. ``min_quorum = 1`` is
+    allowed and means that a peer alone still completes its round: it applies its own
+    pseudo-gradient as the outer step and trains on (useful for the first peer of a run and
+    for tests). With the default 2, a peer alone skips the round and its work stays in its
+    local copy until the next round it gets a group for.
+    """
+
+    min_quorum: int = 2
+    """fewest members for a round to happen (1 = a lone peer applies its own round)"""
+    max_size: int = 8
+    """most members in one averaging group"""
+    grace_s: float = 2.0
+    """seconds to wait for more peers once the quorum is reached (0 = start at once)"""
+
+    def __post_init__(self) -> None:
+        _normalise(self, "group.")
+        if self.min_quorum < 1:
+            raise ConfigError(f"group.min_quorum must be >= 1, not {self.min_quorum}")
+        if self.max_size < 2:
+            raise ConfigError(f"group.max_size must be >= 2, not {self.max_size}")
+        if self.min_quorum > self.max_size:
+            raise ConfigError(
+                f"group.min_quorum ({self.min_quorum}) must be <= group.max_size ({self.max_size})"
+            )
+        if self.grace_s < 0:
+            raise ConfigError(f"group.grace_s must be >= 0, not {self.grace_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Every network wait of a round, in seconds (the ``[timeouts]`` table).
+
+    A wait that runs out raises :class:`~atoll.protocol.errors.ExchangeTimeout` or ends the
+    round with :class:`~atoll.protocol.errors.RoundAborted`; the fragment then skips that
+    round and trains on, so a slow or vanished peer costs time, never a wrong result.
+    """
+
+    dial_s: float = 10.0
+    """opening a connection to one peer (transport, security handshake and Hello)"""
+    matchmaking_s: float = 15.0
+    """from declaring ready for a round to knowing the group (quorum plus grace)"""
+    part_s: float = 30.0
+    """one phase of the all-reduce: all of the reduce-scatter, or all of the all-gather"""
+    round_s: float = 120.0
+    """a whole round after matchmaking: both phases, the reduction and the checks"""
+    apply_wait_s: float = 5.0
+    """how long the trainer blocks at a round's apply step before it skips the round"""
+
+    def __post_init__(self) -> None:
+        _normalise(self, "timeouts.")
+        for f in fields(self):
+            _positive(f"timeouts.{f.name}", getattr(self, f.name))
+        if self.part_s > self.round_s:
+            raise ConfigError(
+                f"timeouts.part_s ({self.part_s}) must be <= timeouts.round_s ({self.round_s}):"
+                " one phase cannot outlast the round it belongs to"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RunManifest:
+    """Everything the peers of one run must agree on; :meth:`run_id` names it.
+
+    The outer-loop fields are those of :class:`~atoll.protocol.engine.EngineConfig`
+    (Streaming DiLoCo, arXiv 2501.18512), the inner-loop fields those of the trainer.
+    Construction validates everything; a manifest that exists is a valid one.
+    """
+
+    name: str
+    """human name of the run (1 to 100 printable characters)"""
+    model: str = "tiny"
+    """model preset (micro, tiny, small, base, 125m, 350m, 1b) or hf:CONFIG.json"""
+    data: str = "stdlib"
+    """'stdlib' or comma-separated text/jsonl files or folders"""
+    corpus_sha256: str = ""
+    """when set, a peer whose corpus fingerprint differs refuses to join"""
+    seed: int = 0
+    """seed of the initial weights and of the data order"""
+    batch_size: int = 16
+    """sequences per peer per inner step"""
+    lr: float = 3e-3
+    """peak inner learning rate"""
+    warmup: int = 50
+    """linear warmup steps of the inner learning rate"""
+    total_steps: int = 100_000
+    """inner steps of the cosine decay (the run's planned length)"""
+    min_lr_ratio: float = 0.1
+    """the cosine ends at lr × this"""
+    H: int = 100
+    """inner steps between two syncs of the same fragment"""
+    blocks_per_fragment: int = 3
+    """transformer blocks per fragment"""
+    extras: str = "own"
+    """where embeddings, final norm and head go: own, first or last fragment"""
+    tau: int = 1
+    """inner steps a sync may overlap with training (0 = blocking)"""
+    alpha: float = 0.5
+    """merge weight of the local copy: local ← α·local + (1−α)·global"""
+    codec: str = "e3m0"
+    """wire codec of pseudo-gradients: fp32, bf16, int8, e3m0, e3m0-sr"""
+    codec_block: int = 128
+    """values per scale for the blockwise codecs"""
+    outer_lr: float = 0.7
+    """learning rate of the outer Nesterov SGD"""
+    outer_momentum: float = 0.9
+    """momentum of the outer SGD"""
+    nesterov: bool = True
+    """Nesterov momentum (else heavy ball)"""
+    error_feedback: bool = False
+    """carry what quantization lost into the fragment's next pseudo-gradient"""
+    aggregation: str = "mean"
+    """mean (token-weighted) or rda (radial-directional)"""
+    group: GroupSettings = field(default_factory=GroupSettings)
+    """how averaging groups form"""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    """every network wait of a round"""
+
+    def __post_init__(self) -> None:
+        _normalise(self, "")
+        name = self.name
+        if not name.strip():
+            raise ConfigError("name must not be empty")
+        if len(name) > _NAME_MAX:
+            raise ConfigError(f"name must be at most {_NAME_MAX} characters, not {len(name)}")
+        if name != name.strip():
+            raise ConfigError(f"name must not start or end with whitespace: {name!r}")
+        for key in ("model", "data"):
+            if not getattr(self, key).strip():
+                raise ConfigError(f"{key} must not be empty")
+        digest = self.corpus_sha256.lower()
+        if digest and (len(digest) != 64 or not set(digest) <= _HEX):
+            raise ConfigError(
+                f"corpus_sha256 must be empty or 64 hex digits, not {self.corpus_sha256!r}"
+            )
+        object.__setattr__(self, "corpus_sha256", digest)
+        object.__setattr__(self, "codec", self.codec.strip().lower())
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, not {self.seed}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, not {self.batch_size}")
+        _positive("lr", self.lr)
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0, not {self.warmup}")
+        if self.total_steps < 1:
+            raise ConfigError(f"total_steps must be >= 1, not {self.total_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
+        if self.blocks_per_fragment < 1:
+            raise ConfigError(f"blocks_per_fragment must be >= 1, not {self.blocks_per_fragment}")
+        if self.extras not in EXTRAS_RULES:
+            raise ConfigError(f"extras must be one of {EXTRAS_RULES}, not {self.extras!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(
+                f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}"
+            )
+        if self.codec_block < 1:
+            raise ConfigError(f"codec_block must be >= 1, not {self.codec_block}")
+        _positive("outer_lr", self.outer_lr)
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"outer_momentum must be in [0, 1), not {self.outer_momentum}")
+        if self.group.grace_s >= self.timeouts.matchmaking_s:
+            raise ConfigError(
+                f"group.grace_s ({self.group.grace_s}) must be < timeouts.matchmaking_s "
+                f"({self.timeouts.matchmaking_s}): matchmaking would end before the grace does"
+            )
+        try:
+            make_codec(self.codec, block=self.codec_block)
+        except ConfigError as e:
+            raise ConfigError(
+                f"codec = {self.codec!r}, codec_block = {self.codec_block}: {e}"
+            ) from e
+        # H, tau and alpha are checked by the engine's own settings, so that a manifest the
+        # engine would refuse cannot exist
+        self.engine_config()
+
+    # -- derived -----------------------------------------------------------------------------
+    def engine_config(self) -> EngineConfig:
+        """The outer-loop settings of this run, as the engine takes them."""
+        return EngineConfig(
+            H=self.H,
+            tau=self.tau,
+            alpha=self.alpha,
+            outer=OuterConfig(self.outer_lr, self.outer_momentum, self.nesterov),
+            codec=self.codec,
+            codec_block=self.codec_block,
+            error_feedback=self.error_feedback,
+            aggregation=self.aggregation,
+        )
+
+    def run_id(self) -> str:
+        """The run's identity: lowercase hex sha256 of the canonical encoding.
+
+        The encoding is msgpack of ``{"manifest_version": MANIFEST_VERSION, "run": {...}}``
+        with every table's keys sorted, so it depends on the values alone, not on the order
+        or spelling of the TOML they came from. Any change of any field changes it.
+        """
+        document = {"manifest_version": MANIFEST_VERSION, "run": _canonical(self)}
+        packed = msgpack.packb(document, use_bin_type=True)
+        return hashlib.sha256(packed).hexdigest()
+
+    # -- TOML ------------------------------------------------------------------------------
+    @classmethod
+    def from_toml(cls, text: str, *, source: str = "<manifest>") -> RunManifest:
+        """Parse and validate a manifest; ``source`` names it in error messages.
+
+        Top-level keys are the scalar fields; ``[group]`` and ``[timeouts]`` hold
+        :class:`GroupSettings` and :class:`Timeouts`. Every error is a
+        :class:`~atoll.protocol.errors.ConfigError` that starts with ``source``.
+        """
+        if not isinstance(text, str):
+            raise ConfigError(f"{source}: a manifest is TOML text, not {type(text).__name__}")
+        try:
+            document = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from e
+        tables: dict[str, type[GroupSettings] | type[Timeouts]] = {
+            "group": GroupSettings,
+            "timeouts": Timeouts,
+        }
+        scalars = [f.name for f in fields(cls) if f.name not in tables]
+        values: dict[str, Any] = {}
+        try:
+            for key, value in document.items():
+                if key in tables:
+                    values[key] = _table(key, value, tables[key])
+                elif key in scalars:
+                    if isinstance(value, dict):
+                        raise ConfigError(f"{key} must be a value, not a table")
+                    values[key] = value
+                else:
+                    raise ConfigError(_unknown(key, "", scalars + list(tables)))
+            if "name" not in values:
+                raise ConfigError("the required key 'name' is missing")
+            return cls(**values)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from e
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RunManifest:
+        """Read and parse the manifest file at ``path`` (UTF-8 TOML)."""
+        file = Path(path)
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"run manifest not found: {file}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read run manifest {file}: {e}") from e
+        return cls.from_toml(text, source=str(file))
+
+    def to_toml(self) -> str:
+        """This manifest as TOML text; :meth:`from_toml` gives back an equal manifest."""
+        lines = [f"# atoll run manifest, run id {self.run_id()}"]
+        nested: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if is_dataclass(value):
+                nested += ["", f"[{f.name}]"]
+                nested += [
+                    f"{g.name} = {_toml_value(getattr(value, g.name))}" for g in fields(value)
+                ]
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        return "\n".join(lines + nested) + "\n"
+
+
+def short_id(run_id: str) -> str:
+    """The first 12 hex characters of a run id, for log lines."""
+    if not isinstance(run_id, str):
+        raise ConfigError(f"a run id is a string, not {type(run_id).__name__}")
+    return run_id[:12]
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _canonical(obj: Any) -> dict[str, Any]:
+    """The fields of a dataclass as a dict with sorted keys, nested tables included."""
+    out: dict[str, Any] = {}
+    for name in sorted(f.name for f in fields(obj)):
+        value = getattr(obj, name)
+        out[name] = _canonical(value) if is_dataclass(value) else value
+    return out
+
+
+def _table(key: str, value: object, cls: type[GroupSettings] | type[Timeouts]) -> object:
+    """Build the settings of the ``[key]`` table from its parsed TOML value."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a table ([{key}]), not {_describe(value)}")
+    known = [f.name for f in fields(cls)]
+    for inner, item in value.items():
+        if inner not in known:
+            raise ConfigError(_unknown(inner, f"{key}.", known))
+        if isinstance(item, dict):
+            raise ConfigError(f"{key}.{inner} must be a value, not a table")
+    return cls(**value)
+
+
+def _unknown(key: str, prefix: str, known: list[str]) -> str:
+    """The message for an unknown key, with the closest known name when there is one."""
+    message = f"unknown key {prefix + key!r}"
+    if not prefix:
+        for table, cls in (("group", GroupSettings), ("timeouts", Timeouts)):
+            if key in (f.name for f in fields(cls)):
+                return f"{message}; it belongs in the [{table}] table"
+    elif key in (f.name for f in fields(RunManifest)):
+        return f"{message}; {key!r} is a top-level key, not part of [{prefix[:-1]}]"
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return f"{message}; did you mean {prefix + close[0]!r}?"
+    return f"{message}; known keys: {', '.join(known)}"
+
+
+def _toml_value(value: object) -> str:
+    """One scalar as a TOML value (the manifest holds only bool, int, float and str)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # the shortest text that reads back as the same double
+    if isinstance(value, str):
+        return _toml_string(value)
+    raise AssertionError(f"no TOML form for {value!r}")  # pragma: no cover
+
+
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _toml_string(value: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    out = []
+    for char in value:
+        if char in _ESCAPES:
+            out.append(_ESCAPES[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'

@@ -1,0 +1,437 @@
+"""The wire format of every peer-to-peer message, and its length-prefixed framing.
+
+A message is a frozen dataclass registered under a small integer *kind* with
+:func:`wire_message`. On the wire it is the msgpack array::
+
+    [PROTOCOL_VERSION, kind, [field values in declaration order]]
+
+with ``bytes`` as msgpack bin and ``str`` as msgpack str. A stream carries messages as
+frames: a 4-byte big-endian length, then that many bytes of body (:func:`frame`,
+:class:`FrameDecoder`).
+
+Whatever arrives is hostile until proven otherwise, so :func:`decode_message` checks the
+size, the envelope, the protocol version, the kind, the number of fields and the type and
+length of every field against the dataclass's annotations before it builds the message;
+any failure is a :class:`~atoll.protocol.errors.CodecError` that names the message type
+and the field. The supported field types are ``int``, ``float``, ``str``, ``bytes``,
+``bool``, ``X | None`` and ``tuple[X, ...]`` of those. An ``int`` is accepted for a
+``float`` field (and becomes a float); a ``bool`` is never accepted as an ``int``. Floats
+must be finite unless the field says otherwise. Per-field limits go in the field's
+metadata::
+
+    payload: bytes = field(metadata={"max_len": 1 << 20})
+
+- ``max_len``: most characters of a ``str``, bytes of a ``bytes``, items of a tuple
+  (``str`` fields default to :data:`DEFAULT_STR_MAX_LEN`; bytes and tuples are bounded by
+  the frame size alone);
+- ``item_max_len``: the same limit for the ``str``/``bytes`` items of a tuple;
+- ``allow_nonfinite``: accept NaN and infinities in a ``float`` field.
+
+:func:`encode_message` runs the same checks, so a peer cannot send what its peers would
+refuse. Large ``bytes`` fields are copied once on decode (out of the received buffer into
+the message's ``bytes``) and never again. Everything here is sans-IO: bytes in, messages
+out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+
+from atoll.protocol.errors import CodecError, ConfigError
+
+__all__ = [
+    "DEFAULT_STR_MAX_LEN",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "FrameDecoder",
+    "Hello",
+    "decode_message",
+    "encode_message",
+    "frame",
+    "message_kind",
+    "wire_message",
+]
+
+PROTOCOL_VERSION: int = 1
+"""Version of the wire format; peers with another version cannot talk to each other."""
+
+MAX_FRAME_BYTES: int = 64 * 1024 * 1024
+"""Largest frame body (and message) accepted by default: 64 MiB."""
+
+DEFAULT_STR_MAX_LEN: int = 4096
+"""Most characters of a ``str`` field whose metadata gives no ``max_len``."""
+
+T = TypeVar("T")
+
+_HEADER = struct.Struct(">I")
+_HEADER_MAX = (1 << 32) - 1
+_META_KEYS = frozenset({"max_len", "item_max_len", "allow_nonfinite"})
+_INT_MIN = -(1 << 63)
+_UINT_END = 1 << 64  # msgpack integers span int64 and uint64
+
+
+# -- field checks ---------------------------------------------------------------------------
+class _Mismatch(Exception):
+    """A value that does not fit its field; ``path`` locates it inside the field."""
+
+    def __init__(self, reason: str, path: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.path = path
+
+
+_Check = Callable[[object], object]
+"""Checks one value and returns its normal form, or raises :class:`_Mismatch`."""
+
+
+def _type_name(value: object) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _check_int(value: object) -> object:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Mismatch(f"expected int, got {_type_name(value)}")
+    if not _INT_MIN <= value < _UINT_END:
+        raise _Mismatch(f"int {value} is outside the 64-bit range")
+    return value
+
+
+def _float_check(allow_nonfinite: bool) -> _Check:
+    def check(value: object) -> object:
+        if isinstance(value, float):
+            number = value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:
+                raise _Mismatch(f"int {value} is too large for a float") from None
+        else:
+            raise _Mismatch(f"expected float, got {_type_name(value)}")
+        if not allow_nonfinite and not math.isfinite(number):
+            raise _Mismatch(f"float {number} is not finite")
+        return number
+
+    return check
+
+
+def _check_bool(value: object) -> object:
+    if not isinstance(value, bool):
+        raise _Mismatch(f"expected bool, got {_type_name(value)}")
+    return value
+
+
+def _sized_check(kind: type[str] | type[bytes], max_len: int | None) -> _Check:
+    unit = "characters" if kind is str else "bytes"
+
+    def check(value: object) -> object:
+        if not isinstance(value, kind):
+            raise _Mismatch(f"expected {kind.__name__}, got {_type_name(value)}")
+        if max_len is not None and len(value) > max_len:
+            raise _Mismatch(f"{len(value)} {unit}, more than max_len {max_len}")
+        return value
+
+    return check
+
+
+def _optional_check(inner: _Check) -> _Check:
+    def check(value: object) -> object:
+        return None if value is None else inner(value)
+
+    return check
+
+
+def _tuple_check(item: _Check, max_len: int | None) -> _Check:
+    def check(value: object) -> object:
+        # msgpack arrays decode as tuples here; a list is accepted from a sender's code
+        if not isinstance(value, tuple | list):
+            raise _Mismatch(f"expected tuple, got {_type_name(value)}")
+        if max_len is not None and len(value) > max_len:
+            raise _Mismatch(f"{len(value)} items, more than max_len {max_len}")
+        out = []
+        for i, element in enumerate(value):
+            try:
+                out.append(item(element))
+            except _Mismatch as e:
+                raise _Mismatch(e.reason, f"[{i}]{e.path}") from None
+        return tuple(out)
+
+    return check
+
+
+def _limit(meta: Mapping[str, Any], key: str, where: str) -> int | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"{where}: metadata {key!r} must be an int >= 0, not {value!r}")
+    return value
+
+
+def _compile(annotation: object, meta: Mapping[str, Any], where: str, *, item: bool) -> _Check:
+    """The check of one annotation; unsupported annotations raise ``TypeError``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (types.UnionType, typing.Union):
+        others = [a for a in args if a is not type(None)]
+        if len(args) != 2 or len(others) != 1:
+            raise TypeError(f"{where}: only 'X | None' unions are supported, not {annotation}")
+        return _optional_check(_compile(others[0], meta, where, item=item))
+    if origin is tuple:
+        if item:
+            raise TypeError(f"{where}: tuples of tuples are not supported")
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"{where}: only tuple[X, ...] is supported, not {annotation}")
+        max_items = _limit(meta, "max_len", where)
+        item_meta = {
+            "max_len": meta.get("item_max_len"),
+            "allow_nonfinite": meta.get("allow_nonfinite", False),
+        }
+        return _tuple_check(_compile(args[0], item_meta, where, item=True), max_items)
+    if annotation is bool:
+        return _check_bool
+    if annotation is int:
+        return _check_int
+    if annotation is float:
+        return _float_check(bool(meta.get("allow_nonfinite", False)))
+    if annotation is str:
+        limit = _limit(meta, "max_len", where)
+        return _sized_check(str, DEFAULT_STR_MAX_LEN if limit is None else limit)
+    if annotation is bytes:
+        return _sized_check(bytes, _limit(meta, "max_len", where))
+    raise TypeError(f"{where}: unsupported field type {annotation!r}")
+
+
+# -- the registry ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Schema:
+    kind: int
+    cls: type
+    names: tuple[str, ...]
+    checks: tuple[_Check, ...]
+
+
+_BY_KIND: dict[int, _Schema] = {}
+_BY_CLASS: dict[type, _Schema] = {}
+
+
+def wire_message(kind: int) -> Callable[[type[T]], type[T]]:
+    """Register a frozen dataclass as the message of ``kind`` (an int in [0, 65535]).
+
+    Apply it above ``@dataclass(frozen=True, slots=True)``. The field annotations are
+    resolved and compiled into checks at once, so an unsupported field type, a reused
+    kind, a class registered twice or a class that is not a frozen dataclass raises
+    ``TypeError`` when the defining module is imported, not when the first message arrives.
+    """
+    if isinstance(kind, bool) or not isinstance(kind, int) or not 0 <= kind <= 0xFFFF:
+        raise TypeError(f"a message kind is an int in [0, 65535], not {kind!r}")
+
+    def register(cls: type[T]) -> type[T]:
+        if not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
+            raise TypeError(f"@wire_message({kind}) needs a dataclass, not {cls!r}")
+        name = cls.__qualname__
+        params = getattr(cls, "__dataclass_params__", None)
+        if params is None or not params.frozen:
+            raise TypeError(f"@wire_message({kind}): {name} must be a frozen dataclass")
+        if kind in _BY_KIND:
+            raise TypeError(
+                f"@wire_message({kind}): kind {kind} is taken by {_BY_KIND[kind].cls.__qualname__}"
+            )
+        if cls in _BY_CLASS:
+            raise TypeError(f"{name} is already registered as kind {_BY_CLASS[cls].kind}")
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception as e:  # a NameError, or a broken annotation string
+            raise TypeError(f"{name}: cannot resolve the field annotations: {e}") from e
+        names, checks = [], []
+        for f in dataclasses.fields(cls):
+            where = f"{name}.{f.name}"
+            if not f.init:
+                raise TypeError(f"{where}: every field of a message must be an init field")
+            unknown = set(f.metadata) - _META_KEYS
+            if unknown:
+                raise TypeError(f"{where}: unknown metadata {sorted(unknown)}")
+            names.append(f.name)
+            checks.append(_compile(hints[f.name], f.metadata, where, item=False))
+        schema = _Schema(kind, cls, tuple(names), tuple(checks))
+        _BY_KIND[kind] = schema
+        _BY_CLASS[cls] = schema
+        return cls
+
+    return register
+
+
+def message_kind(cls: type) -> int:
+    """The kind ``cls`` is registered under; an unregistered class raises CodecError."""
+    schema = _BY_CLASS.get(cls)
+    if schema is None:
+        raise CodecError(f"{getattr(cls, '__qualname__', cls)!r} is not a registered message")
+    return schema.kind
+
+
+def _checked(schema: _Schema, values: Sequence[object]) -> list[object]:
+    out = []
+    for name, check, value in zip(schema.names, schema.checks, values, strict=True):
+        try:
+            out.append(check(value))
+        except _Mismatch as e:
+            raise CodecError(f"{schema.cls.__qualname__}.{name}{e.path}: {e.reason}") from None
+    return out
+
+
+# -- messages -------------------------------------------------------------------------------
+def encode_message(msg: object) -> bytes:
+    """The wire bytes of a registered message (checked as :func:`decode_message` would)."""
+    schema = _BY_CLASS.get(type(msg))
+    if schema is None:
+        raise CodecError(f"{type(msg).__qualname__} is not a registered message")
+    values = _checked(schema, [getattr(msg, name) for name in schema.names])
+    try:
+        packed: bytes = msgpack.packb([PROTOCOL_VERSION, schema.kind, values], use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:  # e.g. a str with a lone surrogate
+        raise CodecError(f"{schema.cls.__qualname__}: cannot encode: {e}") from e
+    return packed
+
+
+def decode_message(data: bytes | memoryview, *, max_bytes: int = MAX_FRAME_BYTES) -> object:
+    """The message encoded in ``data``; anything malformed raises :class:`CodecError`.
+
+    ``data`` must hold exactly one message (trailing bytes are refused). A ``memoryview``
+    is read in place: the only copy of a large ``bytes`` field is the one into the
+    message itself.
+    """
+    try:
+        size = memoryview(data).nbytes
+    except TypeError:
+        raise CodecError(f"a message is bytes, not {type(data).__name__}") from None
+    if size > max_bytes:
+        raise CodecError(f"message of {size} bytes is over the limit of {max_bytes} bytes")
+    try:
+        envelope = msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)
+    except Exception as e:  # hostile bytes may raise anything msgpack has; none escapes
+        raise CodecError(f"message is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(envelope, tuple) or len(envelope) != 3:
+        raise CodecError("message is not a [version, kind, fields] array")
+    version, kind, values = envelope
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise CodecError(f"message version is {_type_name(version)}, not int")
+    if version != PROTOCOL_VERSION:
+        raise CodecError(
+            f"message has protocol version {version}, this peer speaks version {PROTOCOL_VERSION}"
+        )
+    if isinstance(kind, bool) or not isinstance(kind, int):
+        raise CodecError(f"message kind is {_type_name(kind)}, not int")
+    schema = _BY_KIND.get(kind)
+    if schema is None:
+        raise CodecError(f"unknown message kind {kind}")
+    name = schema.cls.__qualname__
+    if not isinstance(values, tuple):
+        raise CodecError(f"{name}: fields are {_type_name(values)}, not an array")
+    if len(values) != len(schema.names):
+        raise CodecError(f"{name}: {len(values)} fields, expected {len(schema.names)}")
+    checked = _checked(schema, values)
+    try:
+        return schema.cls(*checked)
+    except (ValueError, TypeError) as e:  # the message's own __post_init__ refused it
+        raise CodecError(f"{name}: {e}") from e
+
+
+# -- framing --------------------------------------------------------------------------------
+def _check_max_bytes(max_bytes: int) -> int:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise ConfigError(f"max_bytes must be an int, not {max_bytes!r}")
+    if not 0 <= max_bytes <= _HEADER_MAX:
+        raise ConfigError(f"max_bytes must be in [0, {_HEADER_MAX}], not {max_bytes}")
+    return max_bytes
+
+
+def frame(body: bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """``body`` prefixed with its length as 4 big-endian bytes."""
+    size = len(body)
+    if size > _check_max_bytes(max_bytes):
+        raise CodecError(f"frame body of {size} bytes is over the limit of {max_bytes} bytes")
+    return _HEADER.pack(size) + body
+
+
+class FrameDecoder:
+    """Cuts a byte stream into frame bodies, sans-IO.
+
+    Feed it whatever the transport delivered, in pieces of any size; :meth:`feed` returns
+    the bodies completed so far, in order, and keeps a partial frame for the next call. A
+    length header over ``max_bytes`` raises :class:`CodecError` as soon as the header is
+    complete, before any of that body is waited for; the decoder is then failed for good
+    (every later :meth:`feed` raises too), since the stream is out of step and must be
+    closed.
+    """
+
+    __slots__ = ("_buf", "_failed", "_max")
+
+    def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._max = _check_max_bytes(max_bytes)
+        self._buf = bytearray()
+        self._failed: str | None = None
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest body this decoder accepts."""
+        return self._max
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for a frame not yet complete (its header included)."""
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        """Add received bytes; return the frame bodies they complete."""
+        if self._failed is not None:
+            raise CodecError(f"frame stream failed earlier ({self._failed}); close it")
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        pos, end = 0, len(buf)
+        with memoryview(buf) as view:
+            while end - pos >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(view, pos)
+                if size > self._max:
+                    self._failed = f"a frame of {size} bytes, over the limit of {self._max}"
+                    break
+                stop = pos + _HEADER.size + size
+                if stop > end:
+                    break
+                out.append(view[pos + _HEADER.size : stop].tobytes())  # the one copy
+                pos = stop
+        if self._failed is not None:
+            buf.clear()
+            raise CodecError(f"frame stream: {self._failed}")
+        if pos:
+            del buf[:pos]  # cheap: CPython moves a bytearray's start instead of its tail
+        return out
+
+
+# -- the first message ----------------------------------------------------------------------
+@wire_message(1)
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The first message on a new stream between two peers.
+
+    It says who is speaking and for which run. A peer closes the stream when the other
+    side's ``run_id`` is not its own run's (:meth:`atoll.protocol.manifest.RunManifest.run_id`):
+    peers of different runs never mix.
+    """
+
+    protocol: int
+    """the sender's :data:`PROTOCOL_VERSION` (the envelope carries it too; kept for logs)"""
+    run_id: str = field(metadata={"max_len": 64})
+    """the sender's run id, 64 lowercase hex digits"""
+    peer_id: str = field(metadata={"max_len": 128})
+    """the sender's libp2p peer id (base58)"""
+    agent: str = field(metadata={"max_len": 64})
+    """the sender's software and version, e.g. ``atoll/0.1.0``"""
