@@ -82,6 +82,14 @@ def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
             for lr in lrs:
                 runs.append((f"{algo} lr={lr:g}", base.with_(algo=algo, lr=lr, H=30)))
         return runs
+    if args.ablation:
+        # what makes streaming differ from vanilla DiLoCo at H=30: the 4-bit codec, or the
+        # fragments with overlap and merge
+        s = base.with_(algo="streaming", H=30, lr=LR["streaming"])
+        return [
+            ("streaming H=30 fp32", s.with_(codec="fp32")),
+            ("streaming H=30 tau=0 alpha=0", s.with_(tau=0, alpha=0.0)),
+        ]
     if args.long:
         for mult in args.mults:
             cfg = base.with_(steps=args.steps * mult, log_every=max(1, args.steps * mult // 10))
@@ -149,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument(
         "--long", action="store_true", help="ddp and streaming H=30 at 1x, 2x, 4x the budget"
     )
+    mode.add_argument(
+        "--ablation", action="store_true", help="streaming H=30 with fp32, and with tau=0 alpha=0"
+    )
     mode.add_argument("--sweep-lr", action="store_true", help="inner learning-rate sweep at H=30")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--steps", type=int, default=1000)
@@ -172,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "corpus": corpus.describe(),
         "argv": sys.argv[1:],
         "jobs": args.jobs,
+        "worker_threads": max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None,
         "runs": [],
     }
     results: list[tuple[str, SimResult]] = []

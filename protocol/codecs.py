@@ -161,6 +161,41 @@ class Codec(abc.ABC):
     def decode(self, data: Buffer, numel: int) -> F32Array:
         """Decode a payload of ``numel`` values into a new 1-D float32 array."""
 
+    def slice_payload(self, payload: Buffer, numel: int, start: int, stop: int) -> bytes:
+        """The bytes ``encode(x[start:stop])`` gives, cut out of ``payload = encode(x)``.
+
+        Nothing is decoded or re-encoded: a reduce-scatter (Streaming DiLoCo, arXiv
+        2501.18512) encodes a peer's whole pseudo-gradient once and hands each chunk's
+        owner its slice of those bytes. ``start`` must be a multiple of :attr:`align` and
+        ``stop`` a multiple of it or ``numel``, with ``0 <= start <= stop <= numel``
+        (:class:`ConfigError` otherwise); a payload whose length is not
+        ``encoded_size(numel)`` raises :class:`CodecError`. The values are not checked
+        here: :meth:`decode` of the slice does that.
+        """
+        n = _check_numel(numel)
+        a, b = self._check_slice(n, start, stop)
+        mv = _byte_view(payload, self.name, self.encoded_size(n))
+        return self._slice(mv, n, a, b)
+
+    def _check_slice(self, n: int, start: int, stop: int) -> tuple[int, int]:
+        try:
+            a, b = operator.index(start), operator.index(stop)
+        except TypeError:
+            raise ConfigError(
+                f"{self.name}: slice bounds must be integers, not {start!r}, {stop!r}"
+            ) from None
+        if not 0 <= a <= b <= n:
+            raise ConfigError(f"{self.name}: slice [{a}, {b}) is not within [0, {n}]")
+        if a % self.align or (b % self.align and b != n):
+            raise ConfigError(
+                f"{self.name}: slice [{a}, {b}) of {n} values is not aligned to {self.align}"
+            )
+        return a, b
+
+    @abc.abstractmethod
+    def _slice(self, mv: memoryview, n: int, start: int, stop: int) -> bytes:
+        """:meth:`slice_payload` once its arguments are checked."""
+
     def roundtrip(self, x: npt.ArrayLike, rng: np.random.Generator | None = None) -> F32Array:
         """``decode(encode(x))``: the values a receiver would see, as a 1-D float32 array."""
         payload = self.encode(x, rng)
@@ -191,6 +226,9 @@ class Fp32Codec(Codec):
         """Raw little-endian float32 bytes; ``rng`` is ignored."""
         a = _as_flat_f32(x, self.name)
         return a.astype("<f4", copy=False).tobytes()
+
+    def _slice(self, mv: memoryview, n: int, start: int, stop: int) -> bytes:
+        return bytes(mv[4 * start : 4 * stop])
 
     def decode(self, data: Buffer, numel: int) -> F32Array:
         """Read little-endian float32 values, refusing NaN and infinity."""
@@ -232,6 +270,9 @@ class Bf16Codec(Codec):
                 f"({float(a[i])!r})"
             )
         return hi.astype("<u2", copy=False).tobytes()
+
+    def _slice(self, mv: memoryview, n: int, start: int, stop: int) -> bytes:
+        return bytes(mv[2 * start : 2 * stop])
 
     def decode(self, data: Buffer, numel: int) -> F32Array:
         """Expand each bfloat16 exactly to float32, refusing NaN and infinity."""
@@ -290,6 +331,12 @@ class Int8Codec(Codec):
         codes = np.clip(np.rint(q), -127, 127).astype(np.int8).reshape(-1)[:n]
         payload: bytes = scale.astype("<f4", copy=False).tobytes() + codes.tobytes()
         return payload
+
+    def _slice(self, mv: memoryview, n: int, start: int, stop: int) -> bytes:
+        # The scales of blocks start/block .. ceil(stop/block), then codes start .. stop.
+        nb = -(-n // self.block)
+        b0, b1 = start // self.block, -(-stop // self.block)
+        return bytes(mv[4 * b0 : 4 * b1]) + bytes(mv[4 * nb + start : 4 * nb + stop])
 
     def decode(self, data: Buffer, numel: int) -> F32Array:
         """Multiply codes by their block's scale; bad scales or code -128 raise CodecError."""
@@ -417,6 +464,17 @@ class E3M0Codec(Codec):
         packed = codes[0::2] | (codes[1::2] << 4)
         payload: bytes = bits.astype("<u2", copy=False).tobytes() + packed.tobytes()
         return payload
+
+    # -- slicing -------------------------------------------------------------------------
+    def _slice(self, mv: memoryview, n: int, start: int, stop: int) -> bytes:
+        # The scales of blocks start/block .. ceil(stop/block), then the packed codes. The
+        # block size is even, so an aligned start begins a byte; a stop inside a byte is
+        # the odd end of the whole vector, and that byte's high nibble is the pad an
+        # encoding of the slice alone would carry as well.
+        nb = -(-n // self.block)
+        b0, b1 = start // self.block, -(-stop // self.block)
+        codes = 2 * nb
+        return bytes(mv[2 * b0 : 2 * b1]) + bytes(mv[codes + start // 2 : codes + (stop + 1) // 2])
 
     # -- decoding ------------------------------------------------------------------------
     def decode(self, data: Buffer, numel: int) -> F32Array:

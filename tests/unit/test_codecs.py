@@ -473,3 +473,58 @@ def test_e3m0_throughput_smoke() -> None:
     t = time.perf_counter()
     c.decode(c.encode(x), x.size)
     assert time.perf_counter() - t < 2.0
+
+
+# --------------------------------------------------------------------------------------
+# slicing an encoded payload
+# --------------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 700), st.data())
+def test_slice_payload_equals_encoding_of_the_slice(n: int, data: st.DataObject) -> None:
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * np.linspace(0.01, 10, n)).astype(np.float32)
+    for c in ALL_CODECS:
+        payload = c.encode(x, rng=np.random.default_rng(1))
+        whole = c.decode(payload, n)
+        cuts = sorted({0, n, *range(0, n, c.align)})
+        a = data.draw(st.sampled_from(cuts[:-1] if len(cuts) > 1 else cuts), label="start")
+        b = data.draw(st.sampled_from([v for v in cuts if v >= a]), label="stop")
+        piece = c.slice_payload(payload, n, a, b)
+        assert len(piece) == c.encoded_size(b - a)
+        np.testing.assert_array_equal(c.decode(piece, b - a), whole[a:b])
+        if not (isinstance(c, E3M0Codec) and c.rounding == "stochastic"):
+            assert piece == c.encode(x[a:b]), repr(c)
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=IDS)
+def test_slice_payload_along_chunk_bounds(codec: Codec) -> None:
+    n = 3 * max(codec.align, 1) * 5 + 3  # an odd, unaligned length
+    x = np.random.default_rng(7).standard_normal(n).astype(np.float32)
+    payload = codec.encode(x, rng=np.random.default_rng(2))
+    bounds = chunk_bounds(n, 4, codec.align)
+    pieces = [codec.slice_payload(payload, n, a, b) for a, b in bounds]
+    decoded = [codec.decode(p, b - a) for p, (a, b) in zip(pieces, bounds, strict=True)]
+    np.testing.assert_array_equal(np.concatenate(decoded), codec.decode(payload, n))
+    assert codec.slice_payload(payload, n, 0, n) == payload
+    assert codec.slice_payload(payload, n, 0, 0) == b""
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=IDS)
+def test_slice_payload_refusals(codec: Codec) -> None:
+    n = 4 * codec.align + 1
+    payload = codec.encode(np.ones(n, np.float32))
+    with pytest.raises(CodecError):
+        codec.slice_payload(payload + b"\0", n, 0, n)
+    with pytest.raises(ConfigError):
+        codec.slice_payload(payload, n, 0, n + 1)
+    with pytest.raises(ConfigError):
+        codec.slice_payload(payload, n, codec.align, 0)
+    with pytest.raises(ConfigError):
+        codec.slice_payload(payload, n, -1, n)
+    with pytest.raises(ConfigError):
+        codec.slice_payload(payload, n, 0.0, n)  # type: ignore[arg-type]
+    if codec.align > 1:
+        with pytest.raises(ConfigError):
+            codec.slice_payload(payload, n, 1, n)
+        with pytest.raises(ConfigError):
+            codec.slice_payload(payload, n, 0, codec.align + 1)
