@@ -11,6 +11,7 @@ Map of the modules:
 - ``engine``     per-fragment outer state: begin a sync, deliver a result, or skip
 - ``manifest``   the run manifest (TOML) whose hash identifies a run
 - ``messages``   wire messages (msgpack, typed and size-checked) and length-prefixed frames
+- ``matchmaking`` who averages with whom: rank-ordered leaders, quorum, grace window
 - ``allreduce``  one atomic round of reduce-scatter + all-gather inside an agreed group
 
 Everything here works on flat float32 numpy vectors, so a bootstrap peer can import it

@@ -1,0 +1,770 @@
+"""Matchmaking: which ready peers average one fragment's round together, and who leads.
+
+When a peer reaches fragment ``p``'s sync step it publishes a :class:`Declaration` for
+``(run, fragment, slot)`` in the DHT, where ``slot`` counts the syncs of that fragment and
+every peer derives it from its step. Peers see each other's declarations late and not all
+at once, so there is no moment at which everybody sees the same set. Decoupled DiLoCo
+(arXiv 2604.21428, section 3 of ALGORITHMS.md) asks for a minimum quorum, a grace window
+for late peers and a cap on the group; :class:`Matchmaker` is one peer's side of forming
+such a group, as a sans-IO state machine (events in, :data:`Action` values out).
+
+THE RULE. Two declarations can share a group only if their :func:`compat_key` is equal:
+same run, fragment, slot, global version and digest of the global fragment copy, so peers
+whose fragment state differs never average together. Among the compatible peers it knows
+of (itself included, minus those that closed, gave up or were lost), a peer takes the one
+with the lowest :func:`rank` as its leader. ``rank`` is a sha256 over run, fragment, slot
+and peer id: every peer computes the same total order without talking, and the order is
+reshuffled at every slot so that no peer leads every round.
+
+- If the lowest is the peer itself, it *leads*: it accepts join requests
+  (:class:`JoinRequest`) until the group holds ``max_size`` members, or until
+  ``min_quorum`` members are in and ``grace_s`` has passed since the quorum was reached.
+  Then it sends one :class:`GroupFormed` with the member list (ordered by rank, so the
+  leader comes first) to every member and is :class:`Formed`. A leader that learns of a
+  lower-ranked compatible peer before that moment steps down: it sends a
+  :class:`Redirect` to its followers and joins the lower one itself. After GroupFormed the
+  group is closed: later requests get a :class:`Disband` ("slot closed").
+- Otherwise it sends a :class:`JoinRequest` to the lowest and waits for the answer:
+  :class:`JoinAccept` (it now *follows* and waits for the GroupFormed), :class:`Redirect`
+  (try the peer named there, which must rank strictly lower than the redirecting one) or
+  :class:`Disband` (that peer is out of this slot; take the next lowest, or lead).
+- Requests that reach a peer which does not lead: an accepted follower redirects the
+  requester to its own leader (a live group that may take it; a lower peer merely heard
+  of may have closed already, and the follower would never learn it). A peer still
+  waiting for its own answer holds the request and answers once its own fate is known.
+  A finished peer answers Disband. Honest peers only ask peers that rank below them.
+
+Why members agree. A member list exists in one place only: the leader builds it once,
+when it forms, and never changes it. A follower becomes :class:`Formed` only on a
+GroupFormed from the peer it asked, naming itself, in rank order, and copies the list
+verbatim. So every peer that ends :class:`Formed` with leader ``L`` holds ``L``'s single
+list, in the same order, and a peer emits at most one :class:`Formed` per slot. A leader
+accepts only requests of its own key, so a list never mixes fragment states. A peer is
+also in at most one live leader's list: once accepted, a follower leaves its leader only
+when that leader releases it (Redirect or Disband, after which the leader has dropped it)
+or when it gives up for the slot, so two leaders never hold it at once. The exception is
+a transport that reports a live peer as lost: the peer that heard it moves on, and the
+supposedly lost leader may still list it.
+
+What is *not* promised: that all ready peers of a slot end in one group (different views
+may form several groups for the same slot, which is allowed: each is a valid round), and
+that every listed member runs the round. A follower whose own deadline passes, or whose
+transport reports its leader lost, gives up (:class:`Alone`) and tells the leader; if the
+leader formed before that news arrived, its list names a peer that will not show up, and
+that group's all-reduce fails as a whole (:mod:`atoll.protocol.allreduce` commits or rolls
+back atomically), which costs one round and never gives a wrong result.
+
+Termination. Every wait is bounded by ``timeout`` (:attr:`Timeouts.matchmaking_s`): at
+``now >= start + timeout`` a leader with a quorum forms, a leader without one disbands
+its followers, and everyone else gives up: :class:`Alone` means "train on, retry at the
+next slot" (the engine's ``skip``). Redirect hints strictly lower the rank at each hop, and
+a peer follows at most :data:`MAX_REDIRECTS` of them per slot. Held requests also point
+strictly down in rank, so holds cannot form a cycle. A follower whose leader disbands it
+for lack of a quorum looks for another leader while its own time lasts; one whose leader
+is lost gives up at once, so that it never sits in the lists of two live leaders.
+
+``declared_at`` and ``weight`` are informative (logs, future staleness rules) and never
+decide anything. The machine trusts the ``sender`` field of messages: the driver checks it
+against the authenticated transport peer. Time is passed in as ``now`` (any monotonic
+clock, seconds); nothing here reads a clock, opens a socket or starts a thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
+
+from atoll.protocol.allreduce import RoundKey
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.manifest import GroupSettings
+
+__all__ = [
+    "MAX_REDIRECTS",
+    "Action",
+    "Alone",
+    "CompatKey",
+    "Declaration",
+    "Disband",
+    "Formed",
+    "GroupFormed",
+    "JoinAccept",
+    "JoinRequest",
+    "Matchmaker",
+    "Message",
+    "Redirect",
+    "Send",
+    "State",
+    "compat_key",
+    "rank",
+]
+
+MAX_REDIRECTS: int = 8
+"""Most Redirects one peer follows in one slot; past that it gives up for the slot."""
+
+_RANK_TAG = b"atoll/matchmaking/rank/v1"
+_ID_MAX = 128  # characters of a peer id, run id or digest on the wire
+_REASON_MAX = 300  # characters of a disband reason we send or repeat
+_MEMBERS_MAX = 1024  # items of a member list on the wire (max_size is far below)
+
+_ID = {"max_len": _ID_MAX}
+
+
+# --------------------------------------------------------------------------------------
+# the declaration and the order
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """What a peer publishes in the DHT when it is ready to sync a fragment.
+
+    ``slot`` is which sync of ``fragment`` this is (the same number on every peer, derived
+    from the step). ``version`` is the fragment's global version (the round of
+    :class:`~atoll.protocol.allreduce.RoundKey`) and ``digest`` a hex hash of the global
+    fragment copy: peers whose copies differ must not average together. ``weight`` (tokens
+    since the fragment's last sync) and ``declared_at`` (the sender's wall clock) are
+    informative only.
+    """
+
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    slot: int
+    peer_id: str = field(metadata=_ID)
+    version: int
+    digest: str = field(metadata=_ID)
+    weight: float
+    declared_at: float
+
+
+CompatKey: TypeAlias = tuple[str, int, int, int, str]
+"""``(run_id, fragment, slot, version, digest)``: only equal keys may share a group."""
+
+
+def compat_key(d: Declaration) -> CompatKey:
+    """The part of a declaration that must match for two peers to group together."""
+    return (d.run_id, d.fragment, d.slot, d.version, d.digest)
+
+
+def _rank_of(run_id: str, fragment: int, slot: int, peer_id: str) -> bytes:
+    h = hashlib.sha256()
+    # length-prefixed fields: no two different tuples hash the same input
+    for part in (_RANK_TAG, run_id, str(fragment), str(slot), peer_id):
+        data = part if isinstance(part, bytes) else part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    # the peer id after the hash breaks the (astronomically unlikely) tie of two digests
+    return h.digest() + peer_id.encode("utf-8", "surrogatepass")
+
+
+def rank(d: Declaration) -> bytes:
+    """The peer's place in the slot's agreed order: lower ranks lead.
+
+    sha256 over ``run_id``, ``fragment``, ``slot`` and ``peer_id`` (length-prefixed), then
+    the peer id itself, so two different peers never tie. Every peer computes the same
+    order; it looks random and changes from slot to slot, so leadership rotates.
+    Version and digest are left out: they only decide who may group (:func:`compat_key`).
+    """
+    return _rank_of(d.run_id, d.fragment, d.slot, d.peer_id)
+
+
+# --------------------------------------------------------------------------------------
+# messages (primitive fields only, so that the wire codec can register them)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class JoinRequest:
+    """``sender`` asks the receiver to take it into its group for this key.
+
+    ``weight`` is the sender's token count, informative.
+    """
+
+    sender: str = field(metadata=_ID)
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    slot: int
+    version: int
+    digest: str = field(metadata=_ID)
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class JoinAccept:
+    """The leader ``sender`` has taken the receiver in; a GroupFormed follows."""
+
+    sender: str = field(metadata=_ID)
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    slot: int
+    version: int
+    digest: str = field(metadata=_ID)
+
+
+@dataclass(frozen=True, slots=True)
+class Redirect:
+    """``sender`` does not lead (any more); try ``leader``, which ranks lower than it.
+
+    An empty ``leader`` means "nobody": the sender is out of this slot. To a peer that did
+    not ask, a Redirect is a hint that ``leader`` exists.
+    """
+
+    sender: str = field(metadata=_ID)
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    slot: int
+    version: int
+    digest: str = field(metadata=_ID)
+    leader: str = field(metadata=_ID)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupFormed:
+    """The leader ``sender`` closed its group: ``members`` ordered by rank, leader first.
+
+    Sent once per group, to every member; the list never changes afterwards.
+    """
+
+    sender: str = field(metadata=_ID)
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    slot: int
+    version: int
+    digest: str = field(metadata=_ID)
+    members: tuple[str, ...] = field(metadata={"max_len": _MEMBERS_MAX, "item_max_len": _ID_MAX})
+
+
+@dataclass(frozen=True, slots=True)
+class Disband:
+    """``sender`` is out of the receiver's group, or out of this slot altogether.
+
+    From a leader: the group will not form (or is already closed to newcomers). From a
+    follower: it leaves (gave up, or joined elsewhere). ``reason`` is for logs.
+    """
+
+    sender: str = field(metadata=_ID)
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    slot: int
+    version: int
+    digest: str = field(metadata=_ID)
+    reason: str = field(metadata={"max_len": _REASON_MAX})
+
+
+Message: TypeAlias = JoinRequest | JoinAccept | Redirect | GroupFormed | Disband
+
+
+# --------------------------------------------------------------------------------------
+# actions for the driver
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``message`` to peer ``to`` (best effort: a loss shows up as a timeout)."""
+
+    to: str
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Formed:
+    """The group is final: run the round with ``members`` in this order.
+
+    ``members`` feeds :attr:`RoundSpec.members <atoll.protocol.allreduce.RoundSpec>` and
+    ``key`` its key (the round is the fragment's global version). ``leader`` is
+    ``members[0]``.
+    """
+
+    members: tuple[str, ...]
+    leader: str
+    key: RoundKey
+
+
+@dataclass(frozen=True, slots=True)
+class Alone:
+    """No group this slot: skip the round, train on, declare again at the next slot."""
+
+    reason: str
+
+
+Action: TypeAlias = Send | Formed | Alone
+
+State: TypeAlias = Literal["searching", "following", "leading", "formed", "alone"]
+"""``searching``: no group yet (deciding, or waiting for the answer to a JoinRequest);
+``following``: accepted by a leader, waiting for its GroupFormed; ``leading``: collecting
+members; ``formed`` and ``alone`` are final."""
+
+
+# --------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_id(x: object) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= _ID_MAX
+
+
+def _declaration_problem(d: object) -> str | None:
+    """Why ``d`` is not a usable declaration, or None when it is."""
+    if not isinstance(d, Declaration):
+        return f"not a Declaration: {type(d).__name__}"
+    if not _is_id(d.run_id) or not _is_id(d.peer_id):
+        return "run_id and peer_id must be non-empty strings of at most 128 characters"
+    if not isinstance(d.digest, str) or len(d.digest) > _ID_MAX:
+        return "digest must be a string of at most 128 characters"
+    for name in ("fragment", "slot", "version"):
+        value = getattr(d, name)
+        if not _is_int(value) or value < 0:
+            return f"{name} must be an integer >= 0, not {value!r}"
+    if not _is_num(d.weight) or d.weight < 0:
+        return f"weight must be finite and >= 0, not {d.weight!r}"
+    if not _is_num(d.declared_at):
+        return f"declared_at must be finite, not {d.declared_at!r}"
+    return None
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _REASON_MAX else text[: _REASON_MAX - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------
+# the state machine
+# --------------------------------------------------------------------------------------
+class Matchmaker:
+    """One peer's side of forming the group for one ``(run, fragment, slot)``.
+
+    Feed it the DHT view (:meth:`observe`, as often as it changes), the messages of this
+    key (:meth:`receive`), lost peers (:meth:`peer_lost`) and the time (:meth:`tick` at
+    :attr:`next_deadline`); carry out the :class:`Send` actions; stop at :class:`Formed` or
+    :class:`Alone`, of which exactly one is returned, by ``now >= start + timeout`` at the
+    latest. The module docstring states the rule and what members agree on.
+
+    Args:
+        me: this peer's own declaration (its key decides who it may group with).
+        settings: quorum, grace window and most members (the manifest's ``[group]``).
+        now: the current time; the deadline counts from it.
+        timeout: seconds until the peer stops looking for a group
+            (:attr:`~atoll.protocol.manifest.Timeouts.matchmaking_s`).
+
+    Raises:
+        ConfigError: a malformed declaration, settings of the wrong type, or a time or
+            timeout that is not finite (timeout also > 0).
+    """
+
+    def __init__(
+        self, me: Declaration, settings: GroupSettings, *, now: float, timeout: float
+    ) -> None:
+        problem = _declaration_problem(me)
+        if problem is not None:
+            raise ConfigError(f"own declaration: {problem}")
+        if not isinstance(settings, GroupSettings):
+            raise ConfigError(f"settings must be a GroupSettings, not {type(settings).__name__}")
+        if not _is_num(now):
+            raise ConfigError(f"now must be finite, not {now!r}")
+        if not _is_num(timeout) or timeout <= 0:
+            raise ConfigError(f"timeout must be finite and > 0, not {timeout!r}")
+        self.me = me
+        self.settings = settings
+        self._id = me.peer_id
+        self._compat = compat_key(me)
+        self._rank = rank(me)
+        self._start = float(now)
+        self._deadline = float(now) + float(timeout)
+        self._state: State = "searching"
+        # compatible peers known from the DHT, from hints and from requests, by rank
+        self._ranks: dict[str, bytes] = {}
+        # peers that are out of this slot for us: closed, gave up, lost, misbehaved
+        self._excluded: set[str] = set()
+        # the peer we asked (searching) or that accepted us (following)
+        self._target: str | None = None
+        # as leader: accepted followers and their weights, in order of acceptance
+        self._accepted: dict[str, float] = {}
+        self._quorum_at: float | None = None
+        # JoinRequests held while our own request is unanswered (requester -> weight)
+        self._held: dict[str, float] = {}
+        self._redirects = 0
+        self._members: tuple[str, ...] | None = None
+        self._leader: str | None = None
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        """Where the peer stands; ``formed`` and ``alone`` are final."""
+        return self._state
+
+    @property
+    def key(self) -> RoundKey:
+        """The round key a formed group runs under (the round is the global version)."""
+        return RoundKey(self.me.run_id, self.me.fragment, self.me.version)
+
+    @property
+    def deadline(self) -> float:
+        """``start + timeout``: by then the peer is formed or alone."""
+        return self._deadline
+
+    @property
+    def leader(self) -> str | None:
+        """The leader it follows or asked (itself when leading), or None."""
+        if self._state == "formed":
+            return self._leader
+        if self._state == "leading":
+            return self._id
+        return self._target
+
+    @property
+    def members(self) -> tuple[str, ...] | None:
+        """The final member list once formed, else None."""
+        return self._members
+
+    @property
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` must next be called, or None once the outcome is known.
+
+        Before the first event this is the start time: a tick then makes the first
+        decision.
+        """
+        if self._state in ("formed", "alone"):
+            return None
+        if self._state == "searching" and self._target is None:
+            return self._start
+        if self._state == "leading" and self._quorum_at is not None:
+            return min(self._deadline, self._quorum_at + self.settings.grace_s)
+        return self._deadline
+
+    # -- events ----------------------------------------------------------------------------
+    def observe(self, declarations: Iterable[Declaration], *, now: float) -> list[Action]:
+        """Take in the latest DHT view; declarations of another key are ignored.
+
+        Call it whenever the view changes; a peer once seen stays known (a declaration
+        that expires from the DHT does not remove it: Disband and :meth:`peer_lost` do).
+        """
+        out = self.tick(now)
+        if self._state in ("formed", "alone"):
+            return out
+        for d in declarations:
+            if _declaration_problem(d) is not None or compat_key(d) != self._compat:
+                continue
+            if d.peer_id != self._id:
+                self._ranks.setdefault(d.peer_id, rank(d))
+        out.extend(self._decide(now))
+        out.extend(self._release_held(now))
+        return out
+
+    def receive(self, msg: Message, *, now: float) -> list[Action]:
+        """Handle a message from a peer; messages of another key or from itself are ignored."""
+        out = self.tick(now)
+        if not self._relevant(msg):
+            return out
+        if isinstance(msg, JoinRequest):
+            if _is_num(msg.weight) and msg.weight >= 0:
+                out.extend(self._on_join(msg.sender, float(msg.weight), now))
+        elif self._state in ("formed", "alone"):
+            if isinstance(msg, JoinAccept) and msg.sender != self._leader:
+                # somebody took us in after we finished: make it drop us
+                out.append(self._disband(msg.sender, f"{self._id} is {self._state} already"))
+            return out
+        elif isinstance(msg, JoinAccept):
+            out.extend(self._on_accept(msg))
+        elif isinstance(msg, Redirect):
+            out.extend(self._on_redirect(msg, now))
+        elif isinstance(msg, GroupFormed):
+            out.extend(self._on_formed(msg, now))
+        else:
+            out.extend(self._on_disband(msg, now))
+        out.extend(self._release_held(now))
+        return out
+
+    def tick(self, now: float) -> list[Action]:
+        """Enforce the deadlines: close a group whose grace is over, give up at the timeout.
+
+        Before the first observation it also makes the first decision (lead alone).
+        """
+        if self._state in ("formed", "alone"):
+            return []
+        if now >= self._deadline:
+            return self._expire()
+        out = self._decide(now)
+        out.extend(self._release_held(now))
+        return out
+
+    def peer_lost(self, peer: str, *, now: float) -> list[Action]:
+        """The transport lost ``peer``: never ask it again, and drop what depended on it.
+
+        A follower whose accepted leader is lost gives up for the slot (the leader may be
+        alive behind a broken link, and the follower must not sit in two lists); one still
+        waiting for an answer looks for another leader.
+        """
+        out = self.tick(now)
+        if self._state in ("formed", "alone") or not isinstance(peer, str) or peer == self._id:
+            return out
+        self._excluded.add(peer)
+        self._held.pop(peer, None)
+        if peer == self._target:
+            self._target = None
+            if self._state == "following":
+                out.extend(self._give_up(f"lost leader {peer} before the group formed"))
+                return out
+            self._state = "searching"
+        elif self._state == "leading" and peer in self._accepted:
+            del self._accepted[peer]
+            self._count_quorum(now)
+        out.extend(self._decide(now))
+        out.extend(self._release_held(now))
+        return out
+
+    # -- the rule --------------------------------------------------------------------------
+    def _lowest(self) -> str:
+        """The lowest-ranked compatible peer we know that is still in the slot (maybe us)."""
+        best, best_rank = self._id, self._rank
+        for peer, r in self._ranks.items():
+            if r < best_rank and peer not in self._excluded:
+                best, best_rank = peer, r
+        return best
+
+    def _decide(self, now: float) -> list[Action]:
+        """Lead, or ask the lowest; a leader that is no longer lowest steps down."""
+        if self._state in ("formed", "alone") or self._target is not None:
+            return []
+        best = self._lowest()
+        if best == self._id:
+            if self._state != "leading":
+                self._state = "leading"
+                self._accepted.clear()
+                self._quorum_at = None
+                self._count_quorum(now)
+            return self._maybe_form(now)
+        out: list[Action] = []
+        if self._state == "leading":
+            # step down: hand our followers to the lower peer, then join it ourselves
+            out.extend(self._redirect(f, best) for f in self._accepted)
+            self._accepted.clear()
+            self._quorum_at = None
+        self._state = "searching"
+        self._target = best
+        m = self.me
+        out.append(
+            Send(
+                best,
+                JoinRequest(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, m.weight),
+            )
+        )
+        return out
+
+    def _count_quorum(self, now: float) -> None:
+        """Start the grace window when the quorum is reached; stop it when it is lost."""
+        size = 1 + len(self._accepted)
+        if size < self.settings.min_quorum:
+            self._quorum_at = None
+        elif self._quorum_at is None:
+            self._quorum_at = now
+
+    def _maybe_form(self, now: float) -> list[Action]:
+        if self._state != "leading":
+            return []
+        if 1 + len(self._accepted) >= self.settings.max_size:
+            return self._form()
+        if self._quorum_at is not None and now >= self._quorum_at + self.settings.grace_s:
+            return self._form()
+        return []
+
+    def _form(self) -> list[Action]:
+        """Close the group: one list, sent once to every member, never changed."""
+        ranks = {self._id: self._rank}
+        ranks.update((p, self._ranks[p]) for p in self._accepted)
+        members = tuple(sorted(ranks, key=ranks.__getitem__))
+        self._state = "formed"
+        self._members = members
+        self._leader = self._id
+        self._accepted.clear()
+        self._quorum_at = None
+        m = self.me
+        out: list[Action] = [
+            Send(
+                p, GroupFormed(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, members)
+            )
+            for p in members
+            if p != self._id
+        ]
+        out.append(Formed(members, self._id, self.key))
+        return out
+
+    def _expire(self) -> list[Action]:
+        """The timeout: form with a quorum, otherwise give up (and tell whom it concerns)."""
+        if self._state == "leading" and 1 + len(self._accepted) >= self.settings.min_quorum:
+            return self._form()
+        size = 1 + len(self._accepted) if self._state == "leading" else 0
+        if self._state == "leading":
+            reason = f"timeout: {size} of the {self.settings.min_quorum} peers of the quorum"
+        elif self._state == "following":
+            reason = f"timeout: leader {self._target} did not close its group in time"
+        else:
+            reason = "timeout: no group found"
+        return self._give_up(reason)
+
+    def _give_up(self, reason: str) -> list[Action]:
+        """End alone; followers, the peer we wait for and held requesters are told."""
+        out: list[Action] = [self._disband(f, reason) for f in self._accepted]
+        if self._target is not None:
+            out.append(self._disband(self._target, reason))
+        self._state = "alone"
+        self._accepted.clear()
+        self._target = None
+        self._quorum_at = None
+        out.extend(self._release_held(self._deadline))
+        out.append(Alone(reason))
+        return out
+
+    # -- handlers --------------------------------------------------------------------------
+    def _relevant(self, msg: object) -> bool:
+        return (
+            isinstance(msg, JoinRequest | JoinAccept | Redirect | GroupFormed | Disband)
+            and _is_id(msg.sender)
+            and msg.sender != self._id
+            and (msg.run_id, msg.fragment, msg.slot, msg.version, msg.digest) == self._compat
+            and _is_int(msg.fragment)
+            and _is_int(msg.slot)
+            and _is_int(msg.version)
+        )
+
+    def _on_join(self, sender: str, weight: float, now: float) -> list[Action]:
+        """Answer a request now (leader, follower, finished) or hold it (searching)."""
+        if self._state == "formed":
+            return [self._disband(sender, "slot closed: the group has formed")]
+        if self._state == "alone":
+            return [self._disband(sender, "slot closed: gave up for this slot")]
+        r = _rank_of(self.me.run_id, self.me.fragment, self.me.slot, sender)
+        if r < self._rank:
+            # honest peers only ask peers that rank below them
+            return [self._disband(sender, "you rank below me: I cannot lead you")]
+        self._ranks.setdefault(sender, r)
+        if self._state == "leading":
+            if sender not in self._accepted:
+                self._accepted[sender] = weight
+                self._count_quorum(now)
+            m = self.me
+            out: list[Action] = [
+                Send(
+                    sender, JoinAccept(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest)
+                )
+            ]
+            out.extend(self._maybe_form(now))
+            return out
+        if self._state == "following":
+            # Our leader is a live group that may take the requester; a lower peer we only
+            # heard of may be closed already, and we would never learn it (we do not talk
+            # to it), so pointing there could send the requester back and forth.
+            return [self._redirect(sender, str(self._target))]
+        # searching with a request out: answer once we know our own fate
+        self._held[sender] = weight
+        return []
+
+    def _release_held(self, now: float) -> list[Action]:
+        """Answer the held requests once we lead, follow or are finished."""
+        if not self._held or (self._state == "searching" and self._target is not None):
+            return []
+        held = list(self._held.items())
+        self._held.clear()
+        out: list[Action] = []
+        for peer, weight in held:
+            out.extend(self._on_join(peer, weight, now))
+        return out
+
+    def _on_accept(self, msg: JoinAccept) -> list[Action]:
+        if msg.sender == self._target:
+            if self._state == "searching":
+                self._state = "following"
+            return []
+        # a late accept from a peer we no longer wait for: make it drop us
+        return [self._disband(msg.sender, f"{self._id} is not waiting for you any more")]
+
+    def _on_redirect(self, msg: Redirect, now: float) -> list[Action]:
+        hint, sender = msg.leader, msg.sender
+        me = self.me
+        hint_rank = _rank_of(me.run_id, me.fragment, me.slot, hint) if _is_id(hint) else b""
+        # a hint must point strictly down in rank, so that chains of redirects end
+        sound = (
+            bool(hint_rank)
+            and hint != self._id
+            and hint_rank < _rank_of(me.run_id, me.fragment, me.slot, sender)
+        )
+        if sound and hint not in self._excluded:
+            self._ranks.setdefault(hint, hint_rank)
+        if sender == self._target:
+            self._target = None
+            self._state = "searching"
+            if not sound:
+                # "nobody", or a hint that goes nowhere: that peer is out of the slot for us
+                self._excluded.add(sender)
+            # A sound hint we know to be out (closed, gone) only means that the sender's
+            # view is older than ours: it stays a candidate, and asking it again gets a
+            # held request or a newer answer. The redirect cap bounds the back and forth.
+            self._redirects += 1
+            if self._redirects > MAX_REDIRECTS:
+                return self._give_up(f"followed {MAX_REDIRECTS} redirects without a group")
+        return self._decide(now)
+
+    def _on_formed(self, msg: GroupFormed, now: float) -> list[Action]:
+        if msg.sender != self._target:
+            return []  # not from the peer we joined: not our group
+        members = msg.members
+        problem = self._members_problem(msg.sender, members)
+        if problem is not None:
+            self._excluded.add(msg.sender)
+            self._target = None
+            self._state = "searching"
+            out: list[Action] = [self._disband(msg.sender, f"bad member list: {problem}")]
+            out.extend(self._decide(now))
+            return out
+        self._state = "formed"
+        self._members = tuple(members)
+        self._leader = msg.sender
+        self._target = None
+        return [Formed(self._members, msg.sender, self.key)]
+
+    def _members_problem(self, leader: str, members: object) -> str | None:
+        """Why a GroupFormed's list cannot be ours, or None when it can."""
+        if not isinstance(members, tuple) or not all(_is_id(p) for p in members):
+            return "not a tuple of peer ids"
+        if not self.settings.min_quorum <= len(members) <= self.settings.max_size:
+            return f"{len(members)} members, outside [min_quorum, max_size]"
+        if len(set(members)) != len(members):
+            return "duplicate members"
+        if self._id not in members:
+            return "it does not name me"
+        if members[0] != leader:
+            return "the leader is not first"
+        m = self.me
+        ranks = [_rank_of(m.run_id, m.fragment, m.slot, p) for p in members]
+        if any(a >= b for a, b in itertools.pairwise(ranks)):
+            return "not ordered by rank"
+        return None
+
+    def _on_disband(self, msg: Disband, now: float) -> list[Action]:
+        sender = msg.sender
+        self._excluded.add(sender)
+        self._held.pop(sender, None)
+        if sender == self._target:
+            # the leader will not (or no longer) take us: look again while time lasts
+            self._target = None
+            self._state = "searching"
+        elif self._state == "leading" and sender in self._accepted:
+            del self._accepted[sender]
+            self._count_quorum(now)
+        return self._decide(now)
+
+    # -- messages --------------------------------------------------------------------------
+    def _redirect(self, to: str, leader: str) -> Send:
+        m = self.me
+        return Send(
+            to, Redirect(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, leader)
+        )
+
+    def _disband(self, to: str, reason: str) -> Send:
+        m = self.me
+        return Send(
+            to, Disband(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, _clip(reason))
+        )
