@@ -63,6 +63,7 @@ import numpy.typing as npt
 
 from atoll.protocol.codecs import Codec, make_codec
 from atoll.protocol.errors import CodecError, ConfigError, RejectedInput
+from atoll.protocol.messages import wire_message
 from atoll.protocol.reduce import Contribution, chunk_bounds, reduce_encoded
 
 __all__ = [
@@ -141,6 +142,7 @@ class RoundSpec:
 # --------------------------------------------------------------------------------------
 # messages (primitive fields only, so that a wire codec can register them)
 # --------------------------------------------------------------------------------------
+@wire_message(10)
 @dataclass(frozen=True, slots=True)
 class Part:
     """A member's encoded chunk ``chunk`` of its pseudo-gradient, sent to the chunk's owner.
@@ -158,6 +160,7 @@ class Part:
     payload: bytes
 
 
+@wire_message(11)
 @dataclass(frozen=True, slots=True)
 class Reduced:
     """An owner's weighted mean of chunk ``chunk``, encoded once, sent to every member.
@@ -175,6 +178,7 @@ class Reduced:
     payload: bytes
 
 
+@wire_message(12)
 @dataclass(frozen=True, slots=True)
 class Abort:
     """The round failed at ``sender``; the receiver must roll back too."""

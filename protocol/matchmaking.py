@@ -81,6 +81,7 @@ from typing import Literal, TypeAlias
 from atoll.protocol.allreduce import RoundKey
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.manifest import GroupSettings
+from atoll.protocol.messages import wire_message
 
 __all__ = [
     "MAX_REDIRECTS",
@@ -172,6 +173,7 @@ def rank(d: Declaration) -> bytes:
 # --------------------------------------------------------------------------------------
 # messages (primitive fields only, so that the wire codec can register them)
 # --------------------------------------------------------------------------------------
+@wire_message(20)
 @dataclass(frozen=True, slots=True)
 class JoinRequest:
     """``sender`` asks the receiver to take it into its group for this key.
@@ -188,6 +190,7 @@ class JoinRequest:
     weight: float
 
 
+@wire_message(21)
 @dataclass(frozen=True, slots=True)
 class JoinAccept:
     """The leader ``sender`` has taken the receiver in; a GroupFormed follows."""
@@ -200,6 +203,7 @@ class JoinAccept:
     digest: str = field(metadata=_ID)
 
 
+@wire_message(22)
 @dataclass(frozen=True, slots=True)
 class Redirect:
     """``sender`` does not lead (any more); try ``leader``, which ranks lower than it.
@@ -217,6 +221,7 @@ class Redirect:
     leader: str = field(metadata=_ID)
 
 
+@wire_message(23)
 @dataclass(frozen=True, slots=True)
 class GroupFormed:
     """The leader ``sender`` closed its group: ``members`` ordered by rank, leader first.
@@ -233,6 +238,7 @@ class GroupFormed:
     members: tuple[str, ...] = field(metadata={"max_len": _MEMBERS_MAX, "item_max_len": _ID_MAX})
 
 
+@wire_message(24)
 @dataclass(frozen=True, slots=True)
 class Disband:
     """``sender`` is out of the receiver's group, or out of this slot altogether.
