@@ -1,5 +1,56 @@
-"""atoll.security: identities, membership, record validation, contribution checks and
-robust aggregation (built with the swarm and the trust work).
+"""atoll.security: who a peer is and whether what it sent can be trusted.
 
-It imports only :mod:`atoll.protocol`. Empty until then: nothing here is called yet.
+Map of the modules:
+
+- ``identity``  a node's persistent Ed25519 key file, its libp2p peer id, and the lock
+                that keeps two running nodes from sharing one identity
+- ``signing``   signed envelopes: a payload bound to a domain and to its signer's key
+
+Still to come with the swarm and the trust work: membership (allowlists, organisation
+certificates), record validation for the DHT, contribution checks, robust aggregation,
+strikes and bans.
+
+It imports only :mod:`atoll.protocol` (never libp2p: the node layer turns an
+:class:`Identity` into a libp2p key pair). The errors it adds to the tree of
+:mod:`atoll.protocol.errors`::
+
+    ConfigError
+    └── IdentityError        unusable identity file (unsafe mode, malformed, unreadable)
+        └── IdentityInUse    another running node holds the identity's lock
+    RejectedInput
+    └── BadSignature         a signed envelope that must not be trusted
 """
+
+from atoll.security.identity import (
+    Identity,
+    IdentityError,
+    IdentityInUse,
+    IdentityLock,
+    generate,
+    load_or_create,
+    peer_id_from_public_key,
+    public_key_from_peer_id,
+)
+from atoll.security.signing import (
+    BadSignature,
+    SignedEnvelope,
+    open_envelope,
+    seal,
+    signer_peer_id,
+)
+
+__all__ = [
+    "BadSignature",
+    "Identity",
+    "IdentityError",
+    "IdentityInUse",
+    "IdentityLock",
+    "SignedEnvelope",
+    "generate",
+    "load_or_create",
+    "open_envelope",
+    "peer_id_from_public_key",
+    "public_key_from_peer_id",
+    "seal",
+    "signer_peer_id",
+]
