@@ -1,0 +1,610 @@
+"""Typed, signed, expiring DHT records, and the rules a record must pass to be used.
+
+Three records, each a wire message (:func:`atoll.protocol.messages.wire_message`) stored
+under the key :mod:`atoll.dht.keys` gives it:
+
+- :class:`PeerRecord`  who a peer is: addresses, agent, throughput, per-fragment versions;
+- :class:`ReadyRecord` a :class:`~atoll.protocol.matchmaking.Declaration` with a lifetime:
+  the peer is ready to average one fragment's sync slot;
+- :class:`StateRecord` the peer can serve one fragment's global state at a version.
+
+A stored DHT value is the record's wire bytes *sealed* by its publisher
+(:class:`RecordSigner`): :func:`encode_value` checks and seals, :func:`decode_value`
+opens (:class:`RecordVerifier`), decodes and applies :func:`validate`. The signature
+scheme is not chosen here (:mod:`atoll.security` provides it and the node injects it);
+this module only requires that the peer who sealed a record is the peer the record is
+about, so a peer publishes for itself alone.
+
+The rules, each refused with a :class:`RejectedRecord` whose :attr:`~RejectedRecord.rule`
+names it:
+
+- ``size``: the record encodes to more than :data:`MAX_RECORD_BYTES` (4 KiB), or the sealed
+  value to more than :data:`MAX_VALUE_BYTES`;
+- ``malformed``: a field of the wrong type or out of range (base58 peer id, 64 hex digit
+  run id, hex digests, printable addresses and agent, counts and rates >= 0), a
+  ``PeerRecord`` whose ``versions`` and ``digests`` differ in length, bytes that do not
+  decode, a message that is not a DHT record;
+- ``key``: the key is not a record key, or names another kind of record, peer, fragment or
+  slot than the record; ``run``: the record's run id does not start with the key's run tag;
+- ``ttl``: ``expires_at`` is not after ``issued_at``, or more than :data:`MAX_TTL_S` after;
+- ``future``: ``issued_at`` is more than ``max_skew_s`` ahead of the reader's clock;
+- ``expired``: the reader's clock has reached ``expires_at``;
+- ``seal``: the verifier refused to open the value (a bad or foreign signature, or a
+  payload over :data:`MAX_RECORD_BYTES`); ``signer``: the sealing peer is not the record's
+  ``peer_id``.
+
+Time. Expiry is the one place atoll compares wall clocks of different machines. A record
+carries its publisher's wall time; the reader passes its own as ``now``. Clocks are
+assumed to agree within ``max_skew_s`` (:data:`DEFAULT_MAX_SKEW_S`, 30 s), which bounds how
+far a record may claim to come from the future, and so how long past its publisher's
+intent it can live: at most ``MAX_TTL_S + max_skew_s``. A publisher whose clock runs
+behind sees its records expire early at the others, so publishers refresh at intervals
+well below the TTL (half of it, say), and the TTL must exceed the skew. Among records for
+one key the latest ``issued_at`` wins (:func:`is_newer`, :func:`select_value`); on a tie
+the one already held stays, so a replayed copy never displaces anything.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeAlias
+
+from atoll.dht.keys import (
+    MAX_FRAGMENT,
+    MAX_PEER_ID_LEN,
+    MAX_SLOT,
+    RUN_ID_LEN,
+    PeerKey,
+    ReadyKey,
+    StateKey,
+    check_peer_id,
+    check_run_id,
+    parse_key,
+    peer_key,
+    ready_key,
+    state_key,
+)
+from atoll.protocol.errors import CodecError, ConfigError, RejectedInput
+from atoll.protocol.matchmaking import Declaration
+from atoll.protocol.messages import decode_message, encode_message, wire_message
+
+__all__ = [
+    "DEFAULT_MAX_SKEW_S",
+    "MAX_ADDRS",
+    "MAX_ADDR_LEN",
+    "MAX_AGENT_LEN",
+    "MAX_DIGEST_LEN",
+    "MAX_FRAGMENTS",
+    "MAX_RECORD_BYTES",
+    "MAX_SEAL_OVERHEAD",
+    "MAX_TTL_S",
+    "MAX_VALUE_BYTES",
+    "RECORD_DOMAIN",
+    "PeerRecord",
+    "ReadyRecord",
+    "Record",
+    "RecordSigner",
+    "RecordVerifier",
+    "RejectedRecord",
+    "Rule",
+    "StateRecord",
+    "check_record",
+    "decode_value",
+    "encode_value",
+    "is_newer",
+    "select_value",
+    "validate",
+]
+
+MAX_RECORD_BYTES: int = 4096
+"""Most bytes of a record's wire encoding (the payload that gets sealed)."""
+
+MAX_SEAL_OVERHEAD: int = 512
+"""Most bytes a seal may add to the payload (an Ed25519 seal needs about 100)."""
+
+MAX_VALUE_BYTES: int = MAX_RECORD_BYTES + MAX_SEAL_OVERHEAD
+"""Most bytes of a stored DHT value; larger values are refused before any crypto."""
+
+MAX_TTL_S: float = 600.0
+"""Longest lifetime of a record, ``expires_at - issued_at``, in seconds."""
+
+DEFAULT_MAX_SKEW_S: float = 30.0
+"""How far apart the wall clocks of two peers may be, in seconds."""
+
+RECORD_DOMAIN: str = "atoll/dht/record/v1"
+"""Signature domain of DHT records: a seal made for another purpose never opens here."""
+
+MAX_ADDRS: int = 16
+"""Most multiaddrs in a :class:`PeerRecord`."""
+
+MAX_ADDR_LEN: int = 256
+"""Most characters of one multiaddr."""
+
+MAX_AGENT_LEN: int = 64
+"""Most characters of an agent string such as ``atoll/0.1.0``."""
+
+MAX_DIGEST_LEN: int = 128
+"""Most hex digits of a fragment digest (the matchmaking limit)."""
+
+MAX_FRAGMENTS: int = 256
+"""Most items of ``versions`` and ``digests`` on the wire; the 4 KiB total usually binds
+first (about 50 fragments with sha256 digests)."""
+
+Rule: TypeAlias = Literal[
+    "malformed",
+    "size",
+    "key",
+    "run",
+    "ttl",
+    "future",
+    "expired",
+    "seal",
+    "signer",
+    "capacity",
+]
+"""Which rule refused a record; ``capacity`` is :class:`~atoll.dht.directory.PeerDirectory`
+being full."""
+
+_HEX = re.compile("[0-9a-f]*")
+_ADDR = re.compile("/[\x21-\x7e]*")  # printable ASCII, no spaces: safe in logs and status
+_AGENT = re.compile("[\x20-\x7e]*")
+
+
+class RejectedRecord(RejectedInput):
+    """A DHT record (or value) that must not be used; :attr:`rule` says which rule failed.
+
+    A peer that publishes such records is misbehaving or badly out of sync; it is the
+    node's call whether to strike it. The message is safe to log (values are clipped).
+    """
+
+    rule: Rule
+    """the rule that failed"""
+    reason: str
+    """what was wrong, in words"""
+
+    def __init__(self, rule: Rule, reason: str) -> None:
+        super().__init__(f"record refused ({rule}): {reason}")
+        self.rule = rule
+        self.reason = reason
+
+
+# -- the records ------------------------------------------------------------------------------
+_PEER = {"max_len": MAX_PEER_ID_LEN}
+_RUN = {"max_len": RUN_ID_LEN}
+_DIGEST = {"max_len": MAX_DIGEST_LEN}
+
+
+@wire_message(100)
+@dataclass(frozen=True, slots=True)
+class PeerRecord:
+    """What a peer says about itself: how to reach it and where its training stands.
+
+    ``versions[i]`` and ``digests[i]`` are the global version and digest of fragment ``i``
+    as the peer holds them, so a newcomer can tell whom to fetch state from and an
+    operator can see who lags. ``tokens_per_s`` is self-reported and informative only:
+    nothing that decides a round may trust it.
+    """
+
+    peer_id: str = field(metadata=_PEER)
+    """the publisher's libp2p peer id (base58)"""
+    run_id: str = field(metadata=_RUN)
+    """the run it trains in (64 hex digits)"""
+    addrs: tuple[str, ...] = field(metadata={"max_len": MAX_ADDRS, "item_max_len": MAX_ADDR_LEN})
+    """multiaddrs it listens on, e.g. ``/ip4/203.0.113.7/tcp/4001``"""
+    agent: str = field(metadata={"max_len": MAX_AGENT_LEN})
+    """its software and version, e.g. ``atoll/0.1.0``"""
+    tokens_per_s: float
+    """its recent training throughput (self-reported)"""
+    versions: tuple[int, ...] = field(metadata={"max_len": MAX_FRAGMENTS})
+    """per fragment: the global version it holds"""
+    digests: tuple[str, ...] = field(
+        metadata={"max_len": MAX_FRAGMENTS, "item_max_len": MAX_DIGEST_LEN}
+    )
+    """per fragment: hex digest of its global copy ("" while unknown)"""
+    serving: bool
+    """whether it answers requests for global state"""
+    issued_at: float
+    """publisher's wall time at publication (seconds since the epoch)"""
+    expires_at: float
+    """publisher's wall time after which the record is void"""
+
+    def key(self) -> str:
+        """The DHT key this record is stored under."""
+        return peer_key(self.run_id, self.peer_id)
+
+
+@wire_message(101)
+@dataclass(frozen=True, slots=True)
+class ReadyRecord:
+    """A matchmaking :class:`~atoll.protocol.matchmaking.Declaration` with a lifetime.
+
+    The first eight fields are the declaration's, in its order; see it for their meaning.
+    """
+
+    run_id: str = field(metadata=_RUN)
+    fragment: int
+    slot: int
+    peer_id: str = field(metadata=_PEER)
+    version: int
+    digest: str = field(metadata=_DIGEST)
+    weight: float
+    declared_at: float
+    issued_at: float
+    """publisher's wall time at publication"""
+    expires_at: float
+    """publisher's wall time after which the record is void"""
+
+    @classmethod
+    def from_declaration(
+        cls, declaration: Declaration, *, issued_at: float, expires_at: float
+    ) -> ReadyRecord:
+        """The record that publishes ``declaration`` from ``issued_at`` to ``expires_at``."""
+        d = declaration
+        return cls(
+            d.run_id,
+            d.fragment,
+            d.slot,
+            d.peer_id,
+            d.version,
+            d.digest,
+            d.weight,
+            d.declared_at,
+            issued_at,
+            expires_at,
+        )
+
+    def to_declaration(self) -> Declaration:
+        """The declaration this record publishes, for the matchmaker."""
+        return Declaration(
+            self.run_id,
+            self.fragment,
+            self.slot,
+            self.peer_id,
+            self.version,
+            self.digest,
+            self.weight,
+            self.declared_at,
+        )
+
+    def key(self) -> str:
+        """The DHT key this record is stored under."""
+        return ready_key(self.run_id, self.fragment, self.slot, self.peer_id)
+
+
+@wire_message(102)
+@dataclass(frozen=True, slots=True)
+class StateRecord:
+    """The peer can serve the global state of ``fragment`` at ``version``.
+
+    ``digest`` (hex, not empty) lets the fetcher check what it downloaded.
+    """
+
+    peer_id: str = field(metadata=_PEER)
+    """the publisher's libp2p peer id (base58)"""
+    run_id: str = field(metadata=_RUN)
+    """the run it trains in (64 hex digits)"""
+    fragment: int
+    """the fragment index"""
+    version: int
+    """the global version it serves"""
+    digest: str = field(metadata=_DIGEST)
+    """hex digest of the global copy it serves"""
+    issued_at: float
+    """publisher's wall time at publication"""
+    expires_at: float
+    """publisher's wall time after which the record is void"""
+
+    def key(self) -> str:
+        """The DHT key this record is stored under."""
+        return state_key(self.run_id, self.fragment, self.peer_id)
+
+
+Record: TypeAlias = PeerRecord | ReadyRecord | StateRecord
+"""Any DHT record."""
+
+_RECORD_TYPES = (PeerRecord, ReadyRecord, StateRecord)
+_KEY_TYPES: dict[type, type] = {PeerRecord: PeerKey, ReadyRecord: ReadyKey, StateRecord: StateKey}
+
+
+# -- signatures -------------------------------------------------------------------------------
+class RecordSigner(Protocol):
+    """Seals record bytes with the local peer's identity (implemented by atoll.security)."""
+
+    def seal(self, domain: str, payload: bytes) -> bytes:
+        """``payload`` bound to ``domain`` and signed by the local peer, as one byte string."""
+        ...
+
+
+class RecordVerifier(Protocol):
+    """Opens sealed bytes and says who sealed them (implemented by atoll.security)."""
+
+    def open(self, data: bytes, *, domain: str, max_payload: int) -> tuple[bytes, str]:
+        """The payload sealed in ``data`` and the base58 peer id of the peer that sealed it.
+
+        Must refuse, with a :class:`~atoll.protocol.errors.RejectedInput`, a seal that does
+        not verify, one made for another ``domain``, and a payload over ``max_payload``
+        bytes (before spending work on it).
+        """
+        ...
+
+
+# -- the rules --------------------------------------------------------------------------------
+def _clip(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _index_problem(name: str, value: int, limit: int) -> str | None:
+    return None if 0 <= value <= limit else f"{name} {value} is outside [0, {limit}]"
+
+
+def _digest_problem(name: str, digest: str, *, empty: bool) -> str | None:
+    if _HEX.fullmatch(digest) is None:
+        return f"{name} {_clip(digest)} is not lowercase hex"
+    if not digest and not empty:
+        return f"{name} is empty"
+    return None
+
+
+def _peer_problem(r: PeerRecord) -> str | None:
+    if r.tokens_per_s < 0:
+        return f"tokens_per_s {r.tokens_per_s} is negative"
+    if _AGENT.fullmatch(r.agent) is None:
+        return f"agent {_clip(r.agent)} is not printable ASCII"
+    for addr in r.addrs:
+        if _ADDR.fullmatch(addr) is None:
+            return f"address {_clip(addr)} is not a printable multiaddr starting with '/'"
+    if len(r.versions) != len(r.digests):
+        return f"{len(r.versions)} versions but {len(r.digests)} digests"
+    for i, (version, digest) in enumerate(zip(r.versions, r.digests, strict=True)):
+        if version < 0:
+            return f"versions[{i}] {version} is negative"
+        problem = _digest_problem(f"digests[{i}]", digest, empty=True)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _ready_problem(r: ReadyRecord) -> str | None:
+    return (
+        _index_problem("fragment", r.fragment, MAX_FRAGMENT)
+        or _index_problem("slot", r.slot, MAX_SLOT)
+        or _index_problem("version", r.version, 2**63 - 1)
+        or _digest_problem("digest", r.digest, empty=True)
+        or (f"weight {r.weight} is negative" if r.weight < 0 else None)
+    )
+
+
+def _state_problem(r: StateRecord) -> str | None:
+    return (
+        _index_problem("fragment", r.fragment, MAX_FRAGMENT)
+        or _index_problem("version", r.version, 2**63 - 1)
+        or _digest_problem("digest", r.digest, empty=False)
+    )
+
+
+def _checked_payload(record: object) -> bytes:
+    """The wire bytes of ``record`` once every rule that needs no key or clock holds."""
+    if not isinstance(record, _RECORD_TYPES):
+        raise RejectedRecord("malformed", f"{type(record).__name__} is not a DHT record")
+    try:
+        payload = encode_message(record)  # every field's type, range and length
+        check_peer_id(record.peer_id)
+        check_run_id(record.run_id)
+    except CodecError as e:
+        raise RejectedRecord("malformed", str(e)) from e
+    if len(payload) > MAX_RECORD_BYTES:
+        raise RejectedRecord(
+            "size", f"record encodes to {len(payload)} bytes, over {MAX_RECORD_BYTES}"
+        )
+    if isinstance(record, PeerRecord):
+        problem = _peer_problem(record)
+    elif isinstance(record, ReadyRecord):
+        problem = _ready_problem(record)
+    else:
+        problem = _state_problem(record)
+    if problem is not None:
+        raise RejectedRecord("malformed", f"{type(record).__name__}: {problem}")
+    if not record.expires_at > record.issued_at:
+        raise RejectedRecord(
+            "ttl", f"expires_at {record.expires_at} is not after issued_at {record.issued_at}"
+        )
+    if record.expires_at - record.issued_at > MAX_TTL_S:
+        raise RejectedRecord(
+            "ttl",
+            f"lifetime {record.expires_at - record.issued_at:.1f} s is over {MAX_TTL_S:.0f} s",
+        )
+    return payload
+
+
+def _check_clock(now: float, max_skew_s: float) -> None:
+    """Refuse a caller's clock arguments that no record could be checked against."""
+    if not isinstance(now, int | float) or isinstance(now, bool) or not math.isfinite(now):
+        raise ConfigError(f"now must be a finite number, not {now!r}")
+    if (
+        not isinstance(max_skew_s, int | float)
+        or isinstance(max_skew_s, bool)
+        or not math.isfinite(max_skew_s)
+        or max_skew_s < 0
+    ):
+        raise ConfigError(f"max_skew_s must be finite and >= 0, not {max_skew_s!r}")
+
+
+def _check_time(record: Record, now: float, max_skew_s: float) -> None:
+    if record.issued_at > now + max_skew_s:
+        raise RejectedRecord(
+            "future",
+            f"issued_at is {record.issued_at - now:.1f} s ahead of this clock,"
+            f" more than the {max_skew_s:.0f} s skew allowed",
+        )
+    if now >= record.expires_at:
+        raise RejectedRecord("expired", f"expired {now - record.expires_at:.1f} s ago")
+
+
+def _check_key(record: Record, key: str) -> None:
+    try:
+        parsed = parse_key(key)
+    except CodecError as e:
+        raise RejectedRecord("key", str(e)) from e
+    name = type(record).__name__
+    if not isinstance(parsed, _KEY_TYPES[type(record)]):
+        raise RejectedRecord("key", f"a {name} cannot be stored under {_clip(key)}")
+    if not record.run_id.startswith(parsed.run_tag):
+        raise RejectedRecord(
+            "run",
+            f"the {name} is of run {record.run_id[:12]}, the key of run {parsed.run_tag[:12]}",
+        )
+    if parsed.peer_id != record.peer_id:
+        raise RejectedRecord(
+            "key", f"the {name} is about peer {record.peer_id}, the key names {parsed.peer_id}"
+        )
+    if isinstance(parsed, ReadyKey | StateKey):
+        assert isinstance(record, ReadyRecord | StateRecord)  # by the kind check above
+        if parsed.fragment != record.fragment:
+            raise RejectedRecord(
+                "key", f"the {name} is for fragment {record.fragment}, the key {parsed.fragment}"
+            )
+    if isinstance(parsed, ReadyKey):
+        assert isinstance(record, ReadyRecord)
+        if parsed.slot != record.slot:
+            raise RejectedRecord(
+                "key", f"the {name} is for slot {record.slot}, the key for slot {parsed.slot}"
+            )
+
+
+def check_record(record: Record, *, now: float, max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
+    """Every rule of :func:`validate` except the key's: for records not read from a key.
+
+    Raises:
+        RejectedRecord: a rule failed (see the module docstring).
+        ConfigError: ``now`` or ``max_skew_s`` is not a finite number (``max_skew_s`` >= 0).
+    """
+    _check_clock(now, max_skew_s)
+    _checked_payload(record)
+    _check_time(record, now, max_skew_s)
+
+
+def validate(
+    record: Record, *, key: str, now: float, max_skew_s: float = DEFAULT_MAX_SKEW_S
+) -> None:
+    """Refuse ``record`` unless it may be used as the value of ``key`` at wall time ``now``.
+
+    Checks the fields, the size, that ``key`` is this record's key (kind, run, peer,
+    fragment, slot), the lifetime bound, that it is not from further in the future than
+    ``max_skew_s``, and that it has not expired.
+
+    Raises:
+        RejectedRecord: a rule failed; its ``rule`` says which (see the module docstring).
+        ConfigError: ``now`` or ``max_skew_s`` is not a finite number (``max_skew_s`` >= 0).
+    """
+    _check_clock(now, max_skew_s)
+    _checked_payload(record)
+    _check_key(record, key)
+    _check_time(record, now, max_skew_s)
+
+
+# -- values -----------------------------------------------------------------------------------
+def encode_value(record: Record, signer: RecordSigner) -> bytes:
+    """The DHT value that publishes ``record``: its wire bytes sealed by ``signer``.
+
+    The rules that need no key or clock are checked first, so a peer never publishes what
+    its peers would refuse; time is the caller's to get right (issue, then publish).
+
+    Raises:
+        RejectedRecord: the record breaks a rule, or the seal makes it too large.
+    """
+    payload = _checked_payload(record)
+    sealed = signer.seal(RECORD_DOMAIN, payload)
+    if len(sealed) > MAX_VALUE_BYTES:
+        raise RejectedRecord(
+            "size", f"sealed value of {len(sealed)} bytes is over {MAX_VALUE_BYTES}"
+        )
+    return sealed
+
+
+def decode_value(
+    data: bytes,
+    *,
+    key: str,
+    now: float,
+    verifier: RecordVerifier,
+    max_skew_s: float = DEFAULT_MAX_SKEW_S,
+) -> Record:
+    """The record stored as ``data`` under ``key``, once it passed every rule.
+
+    In order: the size, the seal (``verifier``), the wire decoding, that the sealing peer
+    is the record's ``peer_id``, then :func:`validate`. Anything wrong raises
+    :class:`RejectedRecord`, whatever the bytes are.
+
+    Raises:
+        RejectedRecord: the value must not be used; ``rule`` says why.
+        ConfigError: ``now`` or ``max_skew_s`` is not a finite number.
+    """
+    _check_clock(now, max_skew_s)
+    if not isinstance(data, bytes):
+        raise RejectedRecord("malformed", f"a DHT value is bytes, not {type(data).__name__}")
+    if len(data) > MAX_VALUE_BYTES:
+        raise RejectedRecord("size", f"value of {len(data)} bytes is over {MAX_VALUE_BYTES}")
+    try:
+        payload, signer = verifier.open(data, domain=RECORD_DOMAIN, max_payload=MAX_RECORD_BYTES)
+    except RejectedInput as e:
+        raise RejectedRecord("seal", str(e)) from e
+    if len(payload) > MAX_RECORD_BYTES:  # a verifier that ignored max_payload
+        raise RejectedRecord("size", f"record of {len(payload)} bytes is over {MAX_RECORD_BYTES}")
+    try:
+        record = decode_message(payload, max_bytes=MAX_RECORD_BYTES)
+    except CodecError as e:
+        raise RejectedRecord("malformed", str(e)) from e
+    if not isinstance(record, _RECORD_TYPES):
+        raise RejectedRecord("malformed", f"a {type(record).__name__} is not a DHT record")
+    if signer != record.peer_id:
+        raise RejectedRecord(
+            "signer", f"{_clip(signer)} sealed a record about {_clip(record.peer_id)}"
+        )
+    validate(record, key=key, now=now, max_skew_s=max_skew_s)
+    return record
+
+
+def is_newer(candidate: Record, held: Record) -> bool:
+    """Whether ``candidate`` replaces ``held`` for the same key: a later ``issued_at``.
+
+    On a tie the held record stays, so a replayed or re-served copy changes nothing.
+    """
+    return candidate.issued_at > held.issued_at
+
+
+def select_value(
+    values: Sequence[bytes],
+    *,
+    key: str,
+    now: float,
+    verifier: RecordVerifier,
+    max_skew_s: float = DEFAULT_MAX_SKEW_S,
+) -> int:
+    """Index of the value to keep among ``values`` for ``key``: the newest valid record.
+
+    The rule a DHT validator's ``select`` applies: invalid values never win; among valid
+    ones the latest ``issued_at``, the earliest index on a tie (libp2p passes the held
+    value first).
+
+    Raises:
+        RejectedRecord: no value is valid (the first value's refusal is raised).
+        ConfigError: ``now`` or ``max_skew_s`` is not a finite number.
+    """
+    _check_clock(now, max_skew_s)
+    best: tuple[int, Record] | None = None
+    first_error: RejectedRecord | None = None
+    for i, data in enumerate(values):
+        try:
+            record = decode_value(data, key=key, now=now, verifier=verifier, max_skew_s=max_skew_s)
+        except RejectedRecord as e:
+            first_error = first_error or e
+            continue
+        if best is None or is_newer(record, best[1]):
+            best = (i, record)
+    if best is None:
+        raise first_error or RejectedRecord("malformed", "no values to select from")
+    return best[0]
