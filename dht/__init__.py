@@ -1,22 +1,27 @@
-"""atoll.dht: peer discovery over the libp2p Kademlia DHT, sans-IO.
+"""atoll.dht: peer discovery over the libp2p Kademlia DHT (a sans-IO core and one adapter).
 
 Map of the modules:
 
 - ``keys``       the key schema: ``/atoll/v1/<run tag>/...`` record and topic keys, parsing
 - ``records``    typed, sealed, expiring records (peer, ready, state) and their rules
 - ``directory``  one node's view of its run, built from records, on an injected clock
+- ``kad``        the network adapter: py-libp2p's Kademlia DHT under ``/atoll/kad/1.0.0``
+                 (``AtollDHT``, trio); not re-exported here, so importing the package
+                 loads no libp2p
 
-Nothing here opens a socket, imports libp2p or reads a clock: bytes and time go in,
-records and views come out. The package imports :mod:`atoll.protocol` only; what it needs
-from elsewhere it declares as small protocols that :mod:`atoll.security` implements and
-the node injects: :class:`~atoll.dht.records.RecordSigner`,
-:class:`~atoll.dht.records.RecordVerifier` and :class:`~atoll.dht.directory.Clock`.
+Apart from ``kad``, nothing here opens a socket, imports libp2p or reads a clock: bytes
+and time go in, records and views come out. The package imports :mod:`atoll.protocol`
+only (and ``kad`` libp2p and trio); what it needs from elsewhere it declares as small
+protocols that :mod:`atoll.security` implements and the node injects:
+:class:`~atoll.dht.records.RecordSigner`, :class:`~atoll.dht.records.RecordVerifier` and
+:class:`~atoll.dht.directory.Clock`.
 
 Adapter notes
 -------------
-What the networking adapter (not written yet) has to know about py-libp2p 0.8.1's
-``libp2p.kad_dht`` (read in its source, ``kad_dht.py``, ``value_store.py``,
-``routing_table.py``, ``peer_routing.py``, ``provider_store.py``, ``common.py``):
+What the networking adapter (:mod:`atoll.dht.kad`, whose docstring adds what writing it
+taught) has to know about py-libp2p 0.8.1's ``libp2p.kad_dht`` (read in its source,
+``kad_dht.py``, ``value_store.py``, ``routing_table.py``, ``peer_routing.py``,
+``provider_store.py``, ``common.py``):
 
 - Put and get. ``await dht.put_value(key: str, value: bytes) -> None`` runs
   ``validator.validate(key, value)`` locally (an exception propagates), refuses to replace

@@ -1,0 +1,842 @@
+"""The Kademlia DHT adapter: py-libp2p's ``KadDHT`` speaking atoll's own protocol id.
+
+:class:`AtollDHT` runs py-libp2p 0.8.1's Kademlia DHT on a libp2p host the node already
+runs, publishes atoll's sealed records (:mod:`atoll.dht.records`) under atoll's keys
+(:mod:`atoll.dht.keys`) and reads them back, fresh from the network and validated on the
+injected clock. All of it runs in the trio loop of the node's network process.
+
+Atoll's own network
+-------------------
+Every Kademlia stream uses :data:`DHT_PROTOCOL` (``/atoll/kad/1.0.0``), never the IPFS
+id, so an atoll node neither joins nor serves any other network's DHT, and only peers that
+speak :data:`DHT_PROTOCOL` enter its routing table.
+
+How: ``KadDHT`` spells its protocol id as the constant ``PROTOCOL_ID`` of
+``libp2p.kad_dht.common`` (``protocol_prefix`` is stored and ignored), imported by name
+into the modules that open streams. Rather than subclass ``KadDHT``, ``ValueStore``,
+``PeerRouting`` and ``ProviderStore`` and copy the five stream-opening methods and the
+handler registration (some 500 lines of library code to keep in step with upstream), or
+patch the module constants (process-wide: any other ``KadDHT`` in the process would move
+too), ``KadDHT`` is handed :class:`_KadHost`, a thin proxy of the real host that renames
+the id in ``new_stream``, ``set_stream_handler`` and ``remove_stream_handler`` and
+delegates everything else. No library code is copied; the price is a dependence on which
+host methods ``KadDHT`` calls, which the integration tests pin down.
+
+Who enters the routing table. The library's check (``RoutingTable.add_peer``) reads the
+peer's protocols from the peerstore and admits the peer when they list the Kademlia id,
+but also when nothing is known of the peer yet (identify has not run, or the peer is not in
+the peerstore at all: the lookup raises and the check is skipped), which would let any
+peer named in a FIND_NODE answer in. The proxy's peerstore answers that check itself
+(:class:`_KadPeerstore`): "yes" only when identify said the peer serves
+:data:`DHT_PROTOCOL`, "no" otherwise, unknown peers included. A peer whose stream of
+:data:`DHT_PROTOCOL` we opened or accepted has proven it speaks atoll's DHT and is admitted
+at once (the library does so for accepted streams; :class:`AtollDHT` for opened ones).
+
+Records
+-------
+A libp2p ``Validator`` for the ``atoll`` namespace runs
+:func:`~atoll.dht.records.decode_value` and :func:`~atoll.dht.records.select_value` on
+the injected :class:`~atoll.dht.directory.Clock`, and the namespaced validator is strict,
+so a peer stores nothing outside ``/atoll/`` (not even the ``pk`` and ``ipns`` records
+the library accepts by default). Serving peers answer GET_VALUE from their store without
+validating, so every reader validates again: :meth:`AtollDHT.get` never trusts a stored
+copy, its own included.
+
+What is used of the library, and what not. Its server side (the stream handler, the
+value and provider stores), its routing table and its iterative FIND_NODE lookup
+(``find_closest_peers_network``) are used as they are, and so are its one-peer RPCs
+(``_store_at_peer``, ``_get_from_peer``, ``_send_add_provider``,
+``_get_providers_from_peer_with_closers``: private names, pinned by the tests). Its
+client-side ``put_value``, ``get_value``, ``provide`` and ``find_providers`` are not:
+
+- they look a key up by its own bytes, and a py-libp2p server answers FIND_NODE only for a
+  multihash or a key of 2 to 50 bytes (it resets the stream otherwise), so a lookup of an
+  atoll key never got past the peers already known; atoll looks keys up by their sha2-256
+  multihash (:func:`_lookup_target`) and stores, reads and announces at the peers closest
+  to that;
+- ``get_value`` answers from the local store when it holds the key, so a second read never
+  sees a newer record, and caches what it found for 24 h; ``find_providers`` answers from
+  the local provider store as soon as it holds any provider of the key, so it never sees
+  providers that came later, and caches every provider it hears of. :meth:`AtollDHT.get`
+  and :meth:`AtollDHT.find_ready` ask the closest peers every time, plus the local store;
+- ``put_value`` and ``provide`` mark the key for republishing every 22 h (the first time
+  at the first maintenance pass, where a server holding the same value refuses it as not
+  newer); atoll's records live minutes and their publishers issue fresh ones.
+
+Timeouts (``timeout_s``, 10 s by default) and failures
+--------------------------------------------------------
+- :meth:`~AtollDHT.bootstrap`: each address, dial and protocol check, within
+  ``timeout_s``; then one lookup of this node's own id to fill the table, within
+  ``timeout_s``. Failures are counted, not raised.
+- :meth:`~AtollDHT.put`: the closest-peer lookup and the stores (up to 20 peers, 10 at
+  a time), within ``timeout_s``, else :class:`~atoll.protocol.errors.ExchangeTimeout`
+  (the record is then held here and maybe by some peers). A node with no peer keeps and
+  serves its record; how many peers took it is logged.
+- :meth:`~AtollDHT.get`: the lookup and the reads of up to 20 closest peers, within
+  ``timeout_s``; returns the newest valid record heard of by then, else ``None`` when the
+  peers had none, :class:`~atoll.protocol.errors.ExchangeTimeout` when time ran out first
+  and :class:`~atoll.protocol.errors.PeerUnavailable` when there was no peer to ask.
+- :meth:`~AtollDHT.announce_ready`: :meth:`~AtollDHT.put`, then the provider
+  announcement, each within ``timeout_s``.
+- :meth:`~AtollDHT.find_ready`: the provider lookup within ``timeout_s`` (errors as for
+  ``get`` when it finds no provider), then the records, fetched 8 at a time, all within
+  another ``timeout_s``: at most ``2 * timeout_s`` in all; records not fetched by then
+  are left out.
+
+Limits the library sets: a serving peer keeps at most 20 providers per key (the first to
+announce), accepts at most 10 ADD_PROVIDER per peer per 10 s, keeps 50,000 values; a
+ready topic with more than 20 peers is seen in part by each server.
+
+The host must have this module's stream handler before it connects to anyone: identify
+tells peers which protocols a host serves, and peers that identified this host earlier do
+not learn of :data:`DHT_PROTOCOL` until they connect again. Enter :meth:`AtollDHT.start`
+right after the host starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+import multiaddr
+import trio
+from libp2p.abc import IHost, INetStream, IPeerStore
+from libp2p.custom_types import StreamHandlerFn, TProtocol
+from libp2p.kad_dht.common import PROTOCOL_ID as LIBRARY_PROTOCOL
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.pb.kademlia_pb2 import Record as KadRecord
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerstore import PeerStoreError
+from libp2p.records.validator import NamespacedValidator, Validator
+from libp2p.tools.anyio_service import background_trio_service
+
+from atoll.dht.directory import Clock
+from atoll.dht.keys import NAMESPACE, check_run_id, parse_key, ready_key, ready_topic
+from atoll.dht.records import (
+    DEFAULT_MAX_SKEW_S,
+    ReadyRecord,
+    Record,
+    RecordSigner,
+    RecordVerifier,
+    RejectedRecord,
+    decode_value,
+    encode_value,
+    is_newer,
+    select_value,
+)
+from atoll.protocol.errors import (
+    CodecError,
+    ConfigError,
+    ExchangeTimeout,
+    PeerUnavailable,
+    RetryableError,
+)
+
+__all__ = ["DHT_PROTOCOL", "AtollDHT"]
+
+logger = logging.getLogger(__name__)
+
+DHT_PROTOCOL: TProtocol = TProtocol("/atoll/kad/1.0.0")
+"""The libp2p protocol id of atoll's Kademlia streams (the IPFS DHT's is /ipfs/kad/1.0.0)."""
+
+_NOT_ATOLL_DHT = "/atoll/kad/not-served"  # what the routing table's check reads for a non-server
+_QUERY_CONCURRENCY = 10  # peers asked at once in one lookup (Kademlia's alpha, as the library)
+_FETCH_CONCURRENCY = 8  # providers' records fetched at once by find_ready
+_PROVIDER_ADDR_TTL_S = 600  # how long a provider's addresses stay in the peerstore
+
+
+# -- the host as KadDHT sees it -----------------------------------------------------------------
+def _wire(protocol_id: TProtocol) -> TProtocol:
+    """The protocol id that goes on the wire for the id the library asked for."""
+    return DHT_PROTOCOL if protocol_id == LIBRARY_PROTOCOL else protocol_id
+
+
+class _KadPeerstore:
+    """The host's peerstore, except that ``get_protocols`` answers the routing table's one
+    question, "is this peer an atoll DHT server?", and says no when it does not know."""
+
+    def __init__(self, peerstore: IPeerStore) -> None:
+        self._peerstore = peerstore
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peerstore, name)
+
+    def get_protocols(self, peer_id: ID) -> list[str]:
+        try:
+            spoken = self._peerstore.get_protocols(peer_id)
+        except PeerStoreError:  # never seen: the library would admit it unchecked
+            spoken = []
+        return [str(LIBRARY_PROTOCOL)] if str(DHT_PROTOCOL) in spoken else [_NOT_ATOLL_DHT]
+
+
+class _KadHost:
+    """The host handed to ``KadDHT``: /ipfs/kad/1.0.0 becomes :data:`DHT_PROTOCOL` on the
+    wire; everything else is the real host's.
+
+    ``on_dht_stream`` hears of every peer that accepted a stream of :data:`DHT_PROTOCOL`.
+    """
+
+    def __init__(self, host: IHost) -> None:
+        self._host = host
+        self._peerstore = _KadPeerstore(host.get_peerstore())
+        self.on_dht_stream: Callable[[ID], None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # get_id, get_addrs, get_private_key, get_connected_peers, get_network, ...
+        return getattr(self._host, name)
+
+    def get_peerstore(self) -> _KadPeerstore:
+        return self._peerstore
+
+    async def new_stream(self, peer_id: ID, protocol_ids: Sequence[TProtocol]) -> INetStream:
+        wire = [_wire(p) for p in protocol_ids]
+        stream = await self._host.new_stream(peer_id, wire)
+        if DHT_PROTOCOL in wire and self.on_dht_stream is not None:
+            self.on_dht_stream(peer_id)
+        return stream
+
+    def set_stream_handler(self, protocol_id: TProtocol, stream_handler: StreamHandlerFn) -> None:
+        self._host.set_stream_handler(_wire(protocol_id), stream_handler)
+
+    def remove_stream_handler(self, protocol_id: TProtocol) -> None:
+        self._host.remove_stream_handler(_wire(protocol_id))
+
+
+# -- the record validator -------------------------------------------------------------------
+class _RecordValidator(Validator):
+    """libp2p's validator hook for ``/atoll/`` keys: atoll's record rules on the injected
+    clock. Raising refuses the value (a PUT is reset; a read skips it)."""
+
+    def __init__(self, verifier: RecordVerifier, clock: Clock, max_skew_s: float) -> None:
+        self._verifier = verifier
+        self._clock = clock
+        self._max_skew_s = max_skew_s
+
+    def validate(self, key: str, value: bytes) -> None:
+        decode_value(
+            value,
+            key=key,
+            now=self._clock.wall(),
+            verifier=self._verifier,
+            max_skew_s=self._max_skew_s,
+        )
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        return select_value(
+            values,
+            key=key,
+            now=self._clock.wall(),
+            verifier=self._verifier,
+            max_skew_s=self._max_skew_s,
+        )
+
+
+# -- the adapter ------------------------------------------------------------------------------
+class AtollDHT:
+    """atoll's DHT on a running libp2p host; made by :meth:`start` only.
+
+    Every node runs it in server mode: it answers DHT requests from atoll peers and keeps
+    their records, so the swarm is its own DHT (py-libp2p servers also put client-mode
+    nodes in their routing tables, which atoll does not want to rely on).
+    """
+
+    def __init__(
+        self,
+        host: IHost,
+        kad: KadDHT,
+        *,
+        run_id: str,
+        verifier: RecordVerifier,
+        signer: RecordSigner,
+        clock: Clock,
+        timeout_s: float,
+        max_skew_s: float,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._host = host
+        self._kad = kad
+        self._run_id = run_id
+        self._verifier = verifier
+        self._signer = signer
+        self._clock = clock
+        self._timeout_s = timeout_s
+        self._max_skew_s = max_skew_s
+        self._nursery = nursery
+        self._admitting: set[ID] = set()
+
+    @classmethod
+    @asynccontextmanager
+    async def start(
+        cls,
+        host: IHost,
+        *,
+        run_id: str,
+        verifier: RecordVerifier,
+        signer: RecordSigner,
+        clock: Clock,
+        bootstrap: Sequence[str] = (),
+        timeout_s: float = 10.0,
+        max_skew_s: float = DEFAULT_MAX_SKEW_S,
+    ) -> AsyncIterator[AtollDHT]:
+        """Run atoll's DHT on ``host`` (a started py-libp2p host) until the block exits.
+
+        Registers the :data:`DHT_PROTOCOL` handler (server mode), starts the library's
+        maintenance (routing-table refresh every 10 minutes) and, if ``bootstrap`` holds
+        peer addresses (``/ip4/.../tcp/.../p2p/<id>``), calls :meth:`bootstrap` with them;
+        how many answered is logged, and a node that reached none still starts (retrying
+        is the caller's). ``verifier`` and ``clock`` check every record this node stores
+        or reads; ``signer`` seals what it publishes. ``timeout_s`` bounds each network
+        operation (see the module docstring); ``max_skew_s`` is the wall-clock skew
+        allowed between peers (:mod:`atoll.dht.records`).
+
+        Raises ``ConfigError`` for a malformed run id, timeout, skew or address. An
+        exception leaving the block comes out as raised, not wrapped in the exception
+        groups of the nurseries inside.
+        """
+        try:
+            check_run_id(run_id)
+        except CodecError as e:
+            raise ConfigError(str(e)) from None
+        for name, value in (("timeout_s", timeout_s), ("max_skew_s", max_skew_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"AtollDHT {name} must be a number, not {value!r}")
+            if not math.isfinite(value) or value < 0 or (name == "timeout_s" and value == 0):
+                raise ConfigError(f"AtollDHT {name} must be finite and > 0, not {value}")
+        _configure_logging()
+        kad_host = _KadHost(host)
+        validator = NamespacedValidator(
+            {NAMESPACE: _RecordValidator(verifier, clock, float(max_skew_s))},
+            strict_validation=True,
+        )
+        # the handler is registered here, through the proxy: DHT_PROTOCOL
+        kad = KadDHT(
+            cast(IHost, kad_host),
+            DHTMode.SERVER,
+            validator=validator,
+            validator_changed=True,  # no pk/ipns fallbacks: /atoll/ keys only
+            strict_validation=True,
+        )
+        lone: BaseException | None = None
+        try:
+            async with background_trio_service(kad), trio.open_nursery() as nursery:
+                dht = cls(
+                    host,
+                    kad,
+                    run_id=run_id,
+                    verifier=verifier,
+                    signer=signer,
+                    clock=clock,
+                    timeout_s=float(timeout_s),
+                    max_skew_s=float(max_skew_s),
+                    nursery=nursery,
+                )
+                kad_host.on_dht_stream = dht._admit_soon
+                try:
+                    logger.info("DHT %s up for run %s", dht.peer_id, run_id[:12])
+                    if bootstrap:
+                        await dht.bootstrap(bootstrap)
+                    yield dht
+                finally:
+                    kad_host.on_dht_stream = None
+                    kad_host.remove_stream_handler(LIBRARY_PROTOCOL)
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # an exception of the block comes out of our nursery and the service's wrapped
+            # twice; hand a lone one back as it was raised
+            lone = _lone_exception(group)
+            if lone is None:
+                raise
+        if lone is not None:
+            raise lone
+
+    # -- what it is -------------------------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        """This node's peer id (base58)."""
+        return str(self._host.get_id())
+
+    @property
+    def run_id(self) -> str:
+        """The run whose topics this node announces and searches."""
+        return self._run_id
+
+    def routing_table_peers(self) -> list[str]:
+        """The peer ids in the routing table (atoll DHT servers only), sorted."""
+        return sorted(str(p) for p in self._kad.routing_table.get_peer_ids())
+
+    # -- the API ----------------------------------------------------------------------------
+    async def bootstrap(self, addrs: Sequence[str]) -> int:
+        """Connect to the peers at ``addrs`` and fill the routing table from them.
+
+        Each address (a multiaddr ending in ``/p2p/<id>``; this node's own is skipped) is
+        dialed and asked to open a :data:`DHT_PROTOCOL` stream, within ``timeout_s``, all
+        at once; a peer that accepts enters the routing table. Then one lookup of this
+        node's own id (within ``timeout_s``) brings in the peers they know. Returns how
+        many of ``addrs`` answered; failures are logged, not raised, and retrying with
+        backoff is the caller's. Raises ``ConfigError`` on a malformed address.
+        """
+        infos: list[PeerInfo] = []
+        for addr in addrs:
+            try:
+                info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+            except Exception as e:  # multiaddr raises a zoo of types on bad text
+                raise ConfigError(
+                    f"{addr!r} is not a peer address like /ip4/1.2.3.4/tcp/4001/p2p/12D3KooW...:"
+                    f" {e}"
+                ) from None
+            if info.peer_id != self._host.get_id():
+                infos.append(info)
+        answered = 0
+
+        async def join(info: PeerInfo) -> None:
+            nonlocal answered
+            if await self._join(info):
+                answered += 1
+
+        async with trio.open_nursery() as nursery:
+            for info in infos:
+                nursery.start_soon(join, info)
+        if answered:
+            with trio.move_on_after(self._timeout_s):
+                await self._kad.peer_routing.find_closest_peers_network(
+                    self._host.get_id().to_bytes()
+                )
+        logger.info(
+            "DHT bootstrap: %d of %d peers answered; routing table holds %d",
+            answered,
+            len(infos),
+            self._kad.routing_table.size(),
+        )
+        return answered
+
+    async def put(self, record: Record) -> None:
+        """Publish ``record`` under its key: sealed by the signer, checked as its readers
+        will check it, kept here and stored at the closest peers.
+
+        Raises :class:`~atoll.dht.records.RejectedRecord` before any I/O when the record
+        breaks a rule (expired or from the future on this clock, sealed by another peer
+        than the record's, too large...); ``ConfigError`` when it is of another run, or a
+        newer record is already published here under its key (issue a fresh one);
+        :class:`~atoll.protocol.errors.ExchangeTimeout` when storing takes over
+        ``timeout_s``.
+        """
+        self._check_own_run(record)
+        value = encode_value(record, self._signer)
+        key = record.key()
+        now = self._clock.wall()
+        decode_value(value, key=key, now=now, verifier=self._verifier, max_skew_s=self._max_skew_s)
+        key_bytes = key.encode("utf-8")
+        held = self._kad.value_store.get(key_bytes)
+        if held is not None and held.value != value:
+            best = select_value(
+                [value, held.value],
+                key=key,
+                now=now,
+                verifier=self._verifier,
+                max_skew_s=self._max_skew_s,
+            )
+            if best != 0:
+                raise ConfigError(
+                    f"a record issued at or after {record.issued_at} is already published"
+                    f" under {key}; publish a newer one"
+                )
+        # kept here first: this node serves its own records even when no peer takes them.
+        # The library would republish every locally put key each 22 h; atoll records live
+        # minutes and their publisher issues fresh ones.
+        self._kad.value_store.put(key_bytes, value)
+        self._kad.value_store.local_keys.discard(key_bytes)
+        stored = 0
+        peers: list[ID] = []
+        limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
+
+        async def store(peer: ID) -> None:
+            nonlocal stored
+            async with limiter:
+                if await self._kad.value_store._store_at_peer(peer, key_bytes, value):
+                    stored += 1
+
+        start = trio.current_time()
+        with trio.move_on_after(self._timeout_s) as scope:
+            peers = await self._closest(key)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(store, peer)
+        if scope.cancelled_caught:
+            raise ExchangeTimeout(
+                f"storing {key} took over {self._timeout_s} s: kept here and at {stored} of"
+                f" {len(peers)} closest peers"
+            )
+        level = logging.DEBUG if stored or not peers else logging.INFO
+        logger.log(
+            level,
+            "put %s: kept here and at %d of %d closest peers (%.3f s)",
+            key,
+            stored,
+            len(peers),
+            trio.current_time() - start,
+        )
+
+    async def get(self, key: str) -> Record | None:
+        """The newest valid record stored under ``key``, read from the network now.
+
+        Asks the peers closest to ``key`` (and looks in this node's own store), validates
+        every answer on the injected clock (seal, signer, key, expiry) and returns the
+        newest valid one, or ``None`` when nobody had one. Never a cached answer.
+
+        Raises ``ConfigError`` when ``key`` is not a record key;
+        :class:`~atoll.protocol.errors.ExchangeTimeout` when ``timeout_s`` ran out before
+        any valid record was heard of; :class:`~atoll.protocol.errors.PeerUnavailable` when
+        there was no peer to ask.
+        """
+        try:
+            parse_key(key)
+        except CodecError as e:
+            raise ConfigError(f"not a record key: {e}") from None
+        return await self._read(key)
+
+    async def announce_ready(self, record: ReadyRecord) -> None:
+        """Publish ``record`` (:meth:`put`) and announce this node as a provider of its
+        ready topic, so that :meth:`find_ready` of the same fragment and slot finds it.
+
+        Raises as :meth:`put` does, ``ConfigError`` when ``record`` is not a
+        :class:`~atoll.dht.records.ReadyRecord` of this node, and
+        :class:`~atoll.protocol.errors.ExchangeTimeout` when the announcement takes over
+        ``timeout_s``.
+        """
+        if not isinstance(record, ReadyRecord):
+            raise ConfigError(f"announce_ready needs a ReadyRecord, not {type(record).__name__}")
+        if record.peer_id != self.peer_id:
+            raise ConfigError(f"a node announces itself, not peer {record.peer_id}")
+        await self.put(record)
+        topic = ready_topic(record.run_id, record.fragment, record.slot)
+        topic_bytes = topic.encode("utf-8")
+        providers = self._kad.provider_store
+        # kept here too, and not put in providing_keys: the library would republish it
+        # every 22 h, and a ready topic is good for one sync
+        providers.add_provider(topic_bytes, PeerInfo(self._host.get_id(), self._host.get_addrs()))
+        reached = 0
+        peers: list[ID] = []
+        limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
+
+        async def tell(peer: ID) -> None:
+            nonlocal reached
+            async with limiter:
+                if await providers._send_add_provider(peer, topic_bytes):
+                    reached += 1
+
+        with trio.move_on_after(self._timeout_s) as scope:
+            peers = await self._closest(topic)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(tell, peer)
+        if scope.cancelled_caught:
+            raise ExchangeTimeout(
+                f"announcing fragment {record.fragment} slot {record.slot} took over"
+                f" {self._timeout_s} s (told {reached} of {len(peers)} closest peers)"
+            )
+        if not reached:
+            logger.info(
+                "ready for fragment %d slot %d: no peer took the announcement (kept here)",
+                record.fragment,
+                record.slot,
+            )
+
+    async def find_ready(self, fragment: int, slot: int, *, limit: int = 32) -> list[ReadyRecord]:
+        """The valid ReadyRecords of the peers that announced ``fragment``'s sync ``slot``.
+
+        Lists the providers of the ready topic (the closest peers to it are asked, and
+        this node's own store), at most ``limit``; then fetches each one's record, from
+        the provider itself first and from the DHT if that fails, 8 at a time, and keeps
+        the valid ones. Sorted by peer id. A provider is only a candidate: its record
+        decides.
+
+        Raises ``ConfigError`` for a bad fragment, slot or limit; when no provider was
+        found, :class:`~atoll.protocol.errors.ExchangeTimeout` if the provider lookup ran
+        out of time and :class:`~atoll.protocol.errors.PeerUnavailable` if there was no
+        peer to ask.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigError(f"find_ready limit must be an int >= 1, not {limit!r}")
+        try:
+            topic = ready_topic(self._run_id, fragment, slot)
+        except CodecError as e:
+            raise ConfigError(str(e)) from None
+        providers = (await self._providers(topic))[:limit]
+        found: dict[str, ReadyRecord] = {}
+        limiter = trio.CapacityLimiter(_FETCH_CONCURRENCY)
+
+        async def fetch(info: PeerInfo) -> None:
+            async with limiter:
+                record = await self._fetch_ready(info, fragment, slot)
+            if record is not None:
+                found[record.peer_id] = record
+
+        with trio.move_on_after(self._timeout_s) as scope:
+            async with trio.open_nursery() as nursery:
+                for info in providers:
+                    nursery.start_soon(fetch, info)
+        if scope.cancelled_caught:
+            logger.info(
+                "find_ready fragment %d slot %d: %d of %d providers' records fetched in %s s",
+                fragment,
+                slot,
+                len(found),
+                len(providers),
+                self._timeout_s,
+            )
+        return [found[p] for p in sorted(found)]
+
+    # -- inside -----------------------------------------------------------------------------
+    def _check_own_run(self, record: object) -> None:
+        run_id = getattr(record, "run_id", None)
+        if run_id != self._run_id:
+            raise ConfigError(
+                f"this DHT publishes records of run {self._run_id[:12]}, not of {run_id!r:.20}"
+            )
+
+    def _admit_soon(self, peer_id: ID) -> None:
+        """The peer accepted a stream of DHT_PROTOCOL: admit it to the routing table (in
+        a task, so the library's stream goes on at once)."""
+        if peer_id in self._admitting or self._kad.routing_table.peer_in_table(peer_id):
+            return
+        self._admitting.add(peer_id)
+        try:
+            self._nursery.start_soon(self._admit, peer_id)
+        except RuntimeError:  # the nursery is closed: shutting down
+            self._admitting.discard(peer_id)
+
+    async def _admit(self, peer_id: ID) -> None:
+        try:
+            # a full bucket pings its oldest peer first; bound it
+            with trio.move_on_after(self._timeout_s):
+                await self._kad.routing_table.add_peer(peer_id, skip_server_mode_check=True)
+        finally:
+            self._admitting.discard(peer_id)
+
+    async def _join(self, info: PeerInfo) -> bool:
+        """Dial one bootstrap peer and check that it serves DHT_PROTOCOL; admit it."""
+        peer = str(info.peer_id)
+        # the swarm refuses for a while to dial a peer whose addresses all failed; a
+        # bootstrap, maybe of a peer that just came back, deserves a real try
+        cache = getattr(self._host.get_network(), "_negative_peer_cache", None)
+        if cache is not None and hasattr(cache, "evict"):
+            cache.evict(peer)
+        with trio.move_on_after(self._timeout_s):
+            try:
+                await self._host.connect(info)
+                stream = await self._host.new_stream(info.peer_id, [DHT_PROTOCOL])
+            except Exception as e:
+                logger.info("bootstrap peer %s did not answer: %s", peer, _describe(e))
+                return False
+            try:
+                await stream.close()
+            except Exception as e:  # the peer is there; the check stream does not matter
+                logger.debug("closing the check stream to %s failed: %s", peer, _describe(e))
+            admitted = await self._kad.routing_table.add_peer(
+                PeerInfo(info.peer_id, info.addrs), skip_server_mode_check=True
+            )
+            if not admitted:
+                logger.info("bootstrap peer %s answered; its bucket is full", peer)
+            return True
+        logger.info("bootstrap peer %s: no answer within %s s", peer, self._timeout_s)
+        return False
+
+    async def _closest(self, key: str) -> list[ID]:
+        """The (up to 20) peers closest to ``key`` in the network, this node excluded: an
+        iterative FIND_NODE lookup of :func:`_lookup_target` of the key."""
+        closest = await self._kad.peer_routing.find_closest_peers_network(_lookup_target(key))
+        own_id = self._host.get_id()
+        return [p for p in closest if p != own_id]
+
+    def _valid(self, key: str, value: bytes, source: str) -> Record | None:
+        """The record ``value`` holds for ``key`` if it passes every rule now, else None."""
+        try:
+            return decode_value(
+                value,
+                key=key,
+                now=self._clock.wall(),
+                verifier=self._verifier,
+                max_skew_s=self._max_skew_s,
+            )
+        except RejectedRecord as e:
+            # servers serve what they hold unvalidated (an expired record, say): normal
+            # for "expired", a broken or hostile peer for the rest
+            level = logging.DEBUG if e.rule == "expired" else logging.INFO
+            logger.log(level, "%s held a refused value for %s: %s", source, key, e)
+            return None
+
+    async def _read(self, key: str) -> Record | None:
+        """See :meth:`get`: this node's store and the closest peers, all asked now."""
+        key_bytes = key.encode("utf-8")
+        best: Record | None = None
+
+        def consider(value: bytes, source: str) -> None:
+            nonlocal best
+            record = self._valid(key, value, source)
+            if record is not None and (best is None or is_newer(record, best)):
+                best = record
+
+        held = self._kad.value_store.get(key_bytes)
+        if held is not None:
+            consider(held.value, "this node's store")
+        peers: list[ID] = []
+        limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
+
+        async def ask(peer: ID) -> None:
+            async with limiter:
+                got = await self._kad.value_store._get_from_peer(
+                    peer, key_bytes, return_record=True
+                )
+            if isinstance(got, KadRecord) and got.value:
+                consider(got.value, f"peer {peer}")
+
+        with trio.move_on_after(self._timeout_s) as scope:
+            peers = await self._closest(key)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(ask, peer)
+        if best is not None:
+            return best
+        if scope.cancelled_caught:
+            raise ExchangeTimeout(f"no valid record for {key} within {self._timeout_s} s")
+        if not peers:
+            raise PeerUnavailable(f"no DHT peer to ask for {key}: bootstrap first")
+        return None
+
+    async def _providers(self, topic: str) -> list[PeerInfo]:
+        """The providers of ``topic``: this node's provider store, and every closest peer
+        asked now (never the library's cache of earlier answers)."""
+        key_bytes = topic.encode("utf-8")
+        found: dict[ID, PeerInfo] = {
+            p.peer_id: p for p in self._kad.provider_store.get_providers(key_bytes)
+        }
+        peers: list[ID] = []
+        limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
+
+        async def ask(peer: ID) -> None:
+            store = self._kad.provider_store
+            async with limiter:
+                providers, _ = await store._get_providers_from_peer_with_closers(peer, key_bytes)
+            for info in providers:
+                found.setdefault(info.peer_id, info)
+
+        with trio.move_on_after(self._timeout_s) as scope:
+            peers = await self._closest(topic)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(ask, peer)
+        if not found:
+            if scope.cancelled_caught:
+                raise ExchangeTimeout(f"no provider of {topic} within {self._timeout_s} s")
+            if not peers:
+                raise PeerUnavailable(f"no DHT peer to ask for {topic}: bootstrap first")
+        return list(found.values())
+
+    async def _fetch_ready(self, info: PeerInfo, fragment: int, slot: int) -> ReadyRecord | None:
+        """The valid ReadyRecord of provider ``info``: asked of the provider (which holds
+        the record it published), else read from the DHT. None if there is none."""
+        peer = str(info.peer_id)
+        try:
+            key = ready_key(self._run_id, fragment, slot, peer)
+        except CodecError as e:  # a peer id atoll's keys cannot hold (an RSA key's, say)
+            logger.info("provider %s cannot have a ready record: %s", peer, e)
+            return None
+        own = info.peer_id == self._host.get_id()
+        if info.addrs and not own:
+            self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, _PROVIDER_ADDR_TTL_S)
+        # the provider holds the record it published (this node's own: in its store)
+        got = await self._kad.value_store._get_from_peer(
+            info.peer_id, key.encode("utf-8"), return_record=True
+        )
+        record: Record | None = None
+        if isinstance(got, KadRecord) and got.value:
+            record = self._valid(key, got.value, f"provider {peer}")
+        if record is None and not own:
+            try:
+                record = await self._read(key)
+            except RetryableError as e:
+                logger.debug("no ready record of provider %s: %s", peer, e)
+                return None
+        return record if isinstance(record, ReadyRecord) else None
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _lookup_target(key: str) -> bytes:
+    """Where ``key`` lives in the Kademlia key space, as a FIND_NODE target: the sha2-256
+    multihash of the key's UTF-8 bytes (34 bytes).
+
+    Not the key itself, as the library's own ``put_value``, ``get_value`` and ``provide``
+    use: a py-libp2p server answers FIND_NODE only for a key that decodes as a multihash
+    or is 2 to 50 bytes long, and resets the stream otherwise, so a lookup of a
+    ``/atoll/v1/...`` key (52 to 128 bytes) never gets past the peers already known.
+    Every atoll node stores and reads at the peers closest to this target.
+    """
+    return b"\x12\x20" + hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The only exception inside ``group`` (nested groups included), unless it is a
+    cancellation, which must reach its cancel scope as trio delivered it."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        e = pending.pop()
+        if isinstance(e, BaseExceptionGroup):
+            pending.extend(e.exceptions)
+        else:
+            leaves.append(e)
+    if len(leaves) != 1 or isinstance(leaves[0], trio.Cancelled):
+        return None
+    return leaves[0]
+
+
+_KAD_LOGGERS = (
+    "libp2p.kad_dht.kad_dht",
+    "libp2p.kad_dht.value_store",
+    "libp2p.kad_dht.provider_store",
+    "libp2p.kad_dht.peer_routing",
+)
+_MAX_LOG_CHARS = 400  # the library logs whole refused values in hex (up to 9 KB a line)
+
+
+class _KadLogFilter(logging.Filter):
+    """Drops the warning py-libp2p's DHT server logs when a client ends its stream the
+    normal way (its reader raises StreamEOF where it expects an empty read, so every
+    request left a "Failed to read DHT message from stream: " line), and clips long lines
+    (a peer could otherwise fill the log with the hex of the values it gets refused)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            isinstance(record.msg, str)
+            and record.msg.startswith("Failed to read DHT message from stream")
+            and isinstance(record.args, tuple)
+            and record.args
+            and isinstance(record.args[0], StreamEOF)
+        ):
+            return False
+        text = record.getMessage()
+        if len(text) > _MAX_LOG_CHARS:
+            record.msg = text[: _MAX_LOG_CHARS - 3] + "..."
+            record.args = None
+        return True
+
+
+def _configure_logging() -> None:
+    """Install :class:`_KadLogFilter` on the library's DHT loggers (idempotent); their
+    levels and handlers stay the node's to set."""
+    for name in _KAD_LOGGERS:
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _KadLogFilter) for f in lg.filters):
+            lg.addFilter(_KadLogFilter())
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    name = type(error).__name__
+    return f"{name}: {text}" if text else name

@@ -1,0 +1,538 @@
+"""atoll's DHT (atoll.dht.kad) between real processes on 127.0.0.1 (port 0).
+
+Run as a script, this file is one DHT node in a process of its own::
+
+    python tests/integration/test_dht_kad.py node --run RUN --seed HEX
+        [--bootstrap ADDR] [--peer-record] [--ready FRAGMENT:SLOT]
+    python tests/integration/test_dht_kad.py foreign
+
+``node`` runs atoll's Noise-only host with an :class:`~atoll.dht.kad.AtollDHT` on it,
+prints ``LISTENING <multiaddr>``, bootstraps from ``ADDR``, publishes its PeerRecord
+and/or announces its ReadyRecord, prints one JSON line with the timings, then answers
+JSON commands read from stdin, one line each (see :func:`_command`), until stdin EOF.
+``foreign`` is a plain py-libp2p ``KadDHT`` server speaking /ipfs/kad/1.0.0: a peer of
+another network. Records are sealed with atoll.security.signing (Ed25519 envelopes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.host.basic_host import BasicHost
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.routing_table import RoutingTable
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerstore import PeerStoreError
+from libp2p.records.record import make_signed_put_record
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from atoll.dht.kad import DHT_PROTOCOL, AtollDHT, _KadHost
+from atoll.dht.keys import peer_key
+from atoll.dht.records import PeerRecord, ReadyRecord, Record, RejectedRecord, encode_value
+from atoll.node.net.host import HostConfig, open_host
+from atoll.protocol.messages import decode_message, encode_message
+from atoll.security.identity import Identity, generate
+from atoll.security.signing import SignedEnvelope, open_envelope, seal, signer_peer_id
+
+pytestmark = pytest.mark.integration
+
+RUN = "d47a" * 16
+HERE = Path(__file__).resolve()
+START_TIMEOUT_S = 60  # a cold start imports libp2p on a busy 2-core machine
+COMMAND_TIMEOUT_S = 40  # one command; the DHT's own bound is DHT_TIMEOUT_S (2x for find_ready)
+DHT_TIMEOUT_S = 10.0
+IPFS_KAD = "/ipfs/kad/1.0.0"
+log = logging.getLogger("atoll.tests.dht")
+
+
+# -- the test seal: atoll's Ed25519 envelopes -------------------------------------------------
+class EnvelopeSigner:
+    def __init__(self, identity: Identity) -> None:
+        self._identity = identity
+
+    def seal(self, domain: str, payload: bytes) -> bytes:
+        return seal(self._identity, domain, payload).to_bytes()
+
+
+class EnvelopeVerifier:
+    def open(self, data: bytes, *, domain: str, max_payload: int) -> tuple[bytes, str]:
+        env = SignedEnvelope.from_bytes(data, max_bytes=max_payload + 1024)
+        return open_envelope(env, domain=domain, max_payload=max_payload), signer_peer_id(env)
+
+
+@dataclass
+class ShiftedClock:
+    """Wall time plus ``offset`` seconds: a node whose clock runs ahead, set by command."""
+
+    offset: float = 0.0
+
+    def wall(self) -> float:
+        return time.time() + self.offset
+
+
+def peer_record(peer_id: str, addrs: tuple[str, ...], now: float, ttl: float = 300) -> PeerRecord:
+    return PeerRecord(peer_id, RUN, addrs, "atoll-test/0", 0.0, (), (), False, now, now + ttl)
+
+
+def ready_record(peer_id: str, fragment: int, slot: int, now: float) -> ReadyRecord:
+    return ReadyRecord(RUN, fragment, slot, peer_id, 1, "00" * 32, 1.0, now, now, now + 300)
+
+
+# -- the node (this file run as a script) -----------------------------------------------------
+async def _node(args: argparse.Namespace) -> None:
+    identity = Identity.from_private_bytes(bytes.fromhex(args.seed))
+    clock = ShiftedClock()
+    config = HostConfig(dial_timeout_s=5, hello_timeout_s=5)
+    async with open_host(identity, args.run, config) as atoll_host:
+        host = atoll_host._host  # the libp2p host under atoll's message streams
+        async with AtollDHT.start(
+            host,
+            run_id=args.run,
+            verifier=EnvelopeVerifier(),
+            signer=EnvelopeSigner(identity),
+            clock=clock,
+            timeout_s=DHT_TIMEOUT_S,
+        ) as dht:
+            print(f"LISTENING {atoll_host.addrs[0]}", flush=True)
+            started: dict[str, Any] = {}
+            if args.bootstrap:
+                t0 = time.perf_counter()
+                started["answered"] = await dht.bootstrap([args.bootstrap])
+                started["bootstrap_s"] = time.perf_counter() - t0
+            if args.peer_record:
+                t0 = time.perf_counter()
+                await dht.put(peer_record(dht.peer_id, tuple(atoll_host.addrs), clock.wall()))
+                started["put_s"] = time.perf_counter() - t0
+            if args.ready:
+                fragment, slot = (int(x) for x in args.ready.split(":"))
+                t0 = time.perf_counter()
+                await dht.announce_ready(ready_record(dht.peer_id, fragment, slot, clock.wall()))
+                started["announce_s"] = time.perf_counter() - t0
+            started["table"] = dht.routing_table_peers()
+            print(json.dumps(started), flush=True)
+            await _serve_commands(lambda cmd: _command(dht, clock, host, cmd))
+
+
+async def _command(dht: AtollDHT, clock: ShiftedClock, host: BasicHost, cmd: dict[str, Any]) -> Any:
+    """One command of the tests; ``AtollDHT`` internals are poked only to play a broken or
+    hostile peer (store_raw, inject) or to look inside (has, protocols)."""
+    op = cmd["op"]
+    kad = dht._kad
+    if op == "get":
+        record = await dht.get(cmd["key"])
+        return {"record": None if record is None else encode_message(record).hex()}
+    if op == "find_ready":
+        records = await dht.find_ready(cmd["fragment"], cmd["slot"])
+        return {"records": [encode_message(r).hex() for r in records]}
+    if op == "put":
+        record = decode_message(bytes.fromhex(cmd["record"]))
+        assert isinstance(record, PeerRecord | ReadyRecord)
+        await dht.put(record)
+        return {}
+    if op == "table":
+        return {"peers": dht.routing_table_peers()}
+    if op == "lookup":  # a lookup of a random key: asks every connected peer when few are known
+        with trio.fail_after(DHT_TIMEOUT_S):
+            found = await kad.peer_routing.find_closest_peers_network(os.urandom(32))
+        return {"found": [str(p) for p in found]}
+    if op == "store_raw":  # send a value to one peer as is, skipping this node's validator
+        key = cmd["key"].encode()
+        value = bytes.fromhex(cmd["value"])
+        signed = make_signed_put_record(key, value, host.get_private_key())
+        with trio.fail_after(DHT_TIMEOUT_S):
+            ok = await kad.value_store._store_at_peer(
+                ID.from_base58(cmd["peer"]), key, value, record=signed
+            )
+        return {"stored": ok}
+    if op == "inject":  # hold a value unvalidated: a server that skips the validator
+        kad.value_store.put(cmd["key"].encode(), bytes.fromhex(cmd["value"]))
+        return {}
+    if op == "has":
+        return {"has": kad.value_store.get(cmd["key"].encode()) is not None}
+    if op == "clock":
+        clock.offset = float(cmd["offset"])
+        return {}
+    if op == "protocols":  # what identify told this host about a peer
+        try:
+            return {"protocols": host.get_peerstore().get_protocols(ID.from_base58(cmd["peer"]))}
+        except PeerStoreError:
+            return {"protocols": []}
+    raise ValueError(f"unknown op {op!r}")
+
+
+async def _serve_commands(run: Any) -> None:
+    """Read JSON commands from stdin, one per line; answer each with one JSON line (with
+    the seconds it took, or the error it raised). Returns on stdin EOF."""
+    async with trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) as stdin:
+        buf = b""
+        while True:
+            data = await stdin.receive_some()
+            if not data:
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                t0 = time.perf_counter()
+                try:
+                    out = await run(json.loads(line))
+                except Exception as e:
+                    log.info("command %s failed: %r", line[:80], e)
+                    out = {"error": type(e).__name__, "message": str(e)}
+                    if isinstance(e, RejectedRecord):
+                        out["rule"] = e.rule
+                out["s"] = time.perf_counter() - t0
+                print(json.dumps(out), flush=True)
+
+
+async def _foreign() -> None:
+    """A plain py-libp2p KadDHT server (/ipfs/kad/1.0.0) on a Noise-only host."""
+    kp = create_new_key_pair()
+    noise = NoiseTransport(kp, noise_privkey=create_new_x25519_key_pair().private_key)
+    host = new_host(
+        key_pair=kp,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+    )
+    assert isinstance(host, BasicHost)
+    async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        dht = KadDHT(host, DHTMode.SERVER)
+        async with background_trio_service(dht):
+            print(f"LISTENING {host.get_addrs()[0]}", flush=True)
+            print(json.dumps({}), flush=True)
+            await _serve_commands(lambda cmd: _foreign_command(dht, host, cmd))
+        with trio.CancelScope(shield=True):
+            await host.close()
+
+
+async def _foreign_command(dht: KadDHT, host: BasicHost, cmd: dict[str, Any]) -> Any:
+    op = cmd["op"]
+    if op == "connect":
+        with trio.fail_after(DHT_TIMEOUT_S):
+            await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(cmd["addr"])))
+        return {}
+    if op == "probe":  # every kind of Kademlia request, sent to an atoll node
+        peer = ID.from_base58(cmd["peer"])
+        out: dict[str, Any] = {}
+        with trio.fail_after(DHT_TIMEOUT_S):
+            try:
+                stream = await host.new_stream(peer, [TProtocol(IPFS_KAD)])
+                await stream.close()
+                out["negotiated"] = True
+            except Exception as e:
+                out["negotiated"] = False
+                out["refusal"] = f"{type(e).__name__}: {e}"
+            key = cmd["key"].encode()
+            out["stored"] = await dht.value_store._store_at_peer(peer, key, b"foreign value")
+            out["got"] = await dht.value_store._get_from_peer(peer, key) is not None
+            out["closest"] = [
+                str(p) for p in await dht.peer_routing._query_peer_for_closest(peer, key)
+            ]
+        return out
+    if op == "table":
+        return {"peers": [str(p) for p in dht.routing_table.get_peer_ids()]}
+    raise ValueError(f"unknown op {op!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("mode", choices=["node", "foreign"])
+    parser.add_argument("--run", default=RUN)
+    parser.add_argument("--seed", help="32-byte Ed25519 seed, hex")
+    parser.add_argument("--bootstrap")
+    parser.add_argument("--peer-record", action="store_true")
+    parser.add_argument("--ready", help="FRAGMENT:SLOT to announce")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.mode == "node":
+        trio.run(_node, args)
+    else:
+        trio.run(_foreign)
+
+
+# -- the processes, seen from the tests ---------------------------------------------------------
+@dataclass
+class Node:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    identity: Identity | None
+    addr: str = ""
+    started: dict[str, Any] = field(default_factory=dict)
+    _buf: bytes = b""
+
+    @property
+    def peer_id(self) -> str:
+        return self.addr.rsplit("/p2p/", 1)[1]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def line(self, timeout_s: float) -> str:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no line within {timeout_s} s:\n{self.log()}")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise EOFError(f"exited with {self.proc.wait(timeout=15)}:\n{self.log()}")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode()
+
+    def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kwargs}).encode() + b"\n")
+        self.proc.stdin.flush()
+        out: dict[str, Any] = json.loads(self.line(COMMAND_TIMEOUT_S))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # the node's signal to exit
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        print(f"--- {self.log_path.name} ---\n{self.log()}")  # shown when a test fails
+
+
+def spawn(log_path: Path, *args: str, identity: Identity | None = None) -> Node:
+    argv = [sys.executable, str(HERE), *args]
+    if identity is not None:
+        argv += ["--seed", identity.private_bytes().hex()]
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return Node(proc, log_path, identity)
+
+
+def await_start(node: Node) -> Node:
+    """Wait for LISTENING and the start-up line (bootstrap and publications done)."""
+    try:
+        line = node.line(START_TIMEOUT_S)
+        assert line.startswith("LISTENING /ip4/127.0.0.1/tcp/"), line
+        node.addr = line.split()[1]
+        node.started = json.loads(node.line(START_TIMEOUT_S))
+    except BaseException:
+        node.proc.kill()
+        node.proc.wait(timeout=15)
+        print(node.log())
+        raise
+    return node
+
+
+def record_of(hex_record: str) -> Record:
+    record = decode_message(bytes.fromhex(hex_record))
+    assert isinstance(record, PeerRecord | ReadyRecord)
+    return record
+
+
+@dataclass
+class Swarm:
+    boot: Node
+    a: Node
+    b: Node
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    """A bootstrap node, then peers A and B that know only the bootstrap's address; A and
+    B publish their PeerRecords and announce they are ready for fragment 3, slot 7."""
+    tmp = tmp_path_factory.mktemp("dht")
+    nodes: list[Node] = []
+    try:
+        boot = await_start(spawn(tmp / "boot.log", "node", identity=generate()))
+        nodes.append(boot)
+        peer_args = ["node", "--bootstrap", boot.addr, "--peer-record", "--ready", "3:7"]
+        a = spawn(tmp / "a.log", *peer_args, identity=generate())
+        nodes.append(a)
+        b = spawn(tmp / "b.log", *peer_args, identity=generate())
+        nodes.append(b)
+        await_start(a)
+        await_start(b)
+        print(f"\nstart-up: A {a.started}\nB {b.started}")
+        yield Swarm(boot, a, b)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+# -- the tests ----------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_peer_finds_another_peers_record_through_the_bootstrap(swarm: Swarm) -> None:
+    a, b = swarm.a, swarm.b
+    for node in (a, b):
+        assert node.started["answered"] == 1, node.started
+        assert swarm.boot.peer_id in node.started["table"]
+    out = b.call("get", key=peer_key(RUN, a.peer_id))
+    assert out.get("record"), out
+    record = record_of(out["record"])
+    assert isinstance(record, PeerRecord)
+    assert record.peer_id == a.peer_id and record.addrs == (a.addr,)
+    again = b.call("get", key=peer_key(RUN, a.peer_id))  # a second read goes to the network
+    assert again.get("record") == out["record"], again
+    # the bootstrap node now knows both peers as DHT servers
+    table = swarm.boot.call("table")["peers"]
+    assert {a.peer_id, b.peer_id} <= set(table), table
+    print(
+        f"\nbootstrap {a.started['bootstrap_s']:.3f}/{b.started['bootstrap_s']:.3f} s, "
+        f"put {a.started['put_s']:.3f}/{b.started['put_s']:.3f} s, "
+        f"announce {a.started['announce_s']:.3f}/{b.started['announce_s']:.3f} s, "
+        f"get {out['s']:.3f} s then {again['s']:.3f} s"
+    )
+
+
+@pytest.mark.timeout(240)
+def test_find_ready_returns_both_peers_ready_records(swarm: Swarm) -> None:
+    a, b = swarm.a, swarm.b
+    times = []
+    for reader in (b, a, swarm.boot):  # a peer that announced, and one that did not
+        out = reader.call("find_ready", fragment=3, slot=7)
+        assert "records" in out, out
+        records = [record_of(r) for r in out["records"]]
+        assert all(isinstance(r, ReadyRecord) for r in records)
+        assert [r.peer_id for r in records] == sorted([a.peer_id, b.peer_id]), out
+        assert all((r.fragment, r.slot, r.run_id) == (3, 7, RUN) for r in records)
+        times.append(out["s"])
+    empty = b.call("find_ready", fragment=3, slot=8)  # nobody announced this slot
+    assert empty.get("records") == [], empty
+    print(f"\nfind_ready {', '.join(f'{t:.3f}' for t in times)} s; none {empty['s']:.3f} s")
+
+
+@pytest.mark.timeout(240)
+def test_expired_or_badly_sealed_records_are_refused_and_never_returned(swarm: Swarm) -> None:
+    boot, a, b = swarm.boot, swarm.a, swarm.b
+    assert a.identity is not None
+    x, y, z = generate(), generate(), generate()
+    now = time.time()
+    expired = peer_record(x.peer_id, (), now - 500, ttl=400)
+    stranger = peer_record(y.peer_id, (), now)  # about Y, sealed by X: wrong signer
+    good = encode_value(peer_record(z.peer_id, (), now), EnvelopeSigner(z))
+    cases = {
+        "expired": (expired.key(), encode_value(expired, EnvelopeSigner(x))),
+        "signer": (stranger.key(), encode_value(stranger, EnvelopeSigner(x))),
+        "seal": (peer_key(RUN, z.peer_id), good[:-1] + bytes([good[-1] ^ 1])),  # tampered
+    }
+    for rule, (key, value) in cases.items():
+        # a serving peer's validator refuses to store it
+        out = b.call("store_raw", peer=boot.peer_id, key=key, value=value.hex())
+        assert out == {"stored": False, "s": out["s"]}, (rule, out)
+        assert boot.call("has", key=key)["has"] is False, rule
+        # a server that stored it anyway serves it; readers refuse it
+        boot.call("inject", key=key, value=value.hex())
+        assert boot.call("has", key=key)["has"] is True
+        got = b.call("get", key=key)
+        assert got.get("record", "missing") is None, (rule, got)
+    assert f"held a refused value for {cases['seal'][0]}" in b.log()
+    # strict validation: nothing outside /atoll/ is stored, not even libp2p's own kinds
+    for key in ("/ipns/" + x.peer_id, "/pk/" + x.peer_id, "/other/key", "plain-key"):
+        out = b.call("store_raw", peer=boot.peer_id, key=key, value=good.hex())
+        assert out["stored"] is False and boot.call("has", key=key)["has"] is False, (key, out)
+
+    # the publisher's own node refuses to publish a record that expired on its clock
+    out = a.call("put", record=encode_message(peer_record(a.peer_id, (), now - 500, 400)).hex())
+    assert (out.get("error"), out.get("rule")) == ("RejectedRecord", "expired"), out
+
+    # a reader whose clock is 700 s ahead sees A's stored records as expired: not returned
+    try:
+        b.call("clock", offset=700)
+        assert b.call("get", key=peer_key(RUN, a.peer_id)).get("record", "missing") is None
+        assert b.call("find_ready", fragment=3, slot=7).get("records") == []
+    finally:
+        b.call("clock", offset=0)
+    assert b.call("get", key=peer_key(RUN, a.peer_id)).get("record")
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_of_the_ipfs_dht_is_not_admitted_and_not_answered(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    a = swarm.a
+    foreign = await_start(spawn(tmp_path / "foreign.log", "foreign"))
+    try:
+        foreign.call("connect", addr=a.addr)
+        # wait until A's identify of the foreign peer is in: it serves /ipfs/kad/1.0.0
+        deadline = time.monotonic() + 20
+        while IPFS_KAD not in a.call("protocols", peer=foreign.peer_id)["protocols"]:
+            assert time.monotonic() < deadline, "A never identified the foreign peer"
+            time.sleep(0.2)
+        assert str(DHT_PROTOCOL) not in a.call("protocols", peer=foreign.peer_id)["protocols"]
+        probe = foreign.call("probe", peer=a.peer_id, key=peer_key(RUN, a.peer_id))
+        assert probe["negotiated"] is False, probe  # A has no handler for /ipfs/kad/1.0.0
+        assert (probe["stored"], probe["got"], probe["closest"]) == (False, False, []), probe
+        # A's lookups ask every connected peer while its table is small: the foreign one
+        # included, and it is still not admitted
+        a.call("lookup")
+        table = a.call("table")["peers"]
+        assert foreign.peer_id not in table and swarm.boot.peer_id in table, table
+        assert foreign.peer_id not in swarm.boot.call("table")["peers"]
+        assert a.peer_id not in foreign.call("table")["peers"]  # nor A in the IPFS DHT
+        print(f"\nforeign peer refused: {probe.get('refusal')}")
+    finally:
+        foreign.stop()
+
+
+@pytest.mark.timeout(120)
+def test_get_of_a_missing_key_returns_none_within_the_timeout(swarm: Swarm) -> None:
+    out = swarm.b.call("get", key=peer_key(RUN, generate().peer_id))
+    assert out.get("record", "missing") is None, out
+    assert out["s"] < DHT_TIMEOUT_S, out
+    print(f"\nget of a missing key: {out['s']:.3f} s")
+
+
+def test_the_routing_table_admits_no_peer_it_knows_nothing_about() -> None:
+    """In-process, no sockets: the library's table admits a peer whose protocols are
+    unknown (identify not run, or not in the peerstore at all); atoll's does not."""
+    kp = create_new_key_pair()
+    host = new_host(key_pair=kp)
+    me = ID.from_pubkey(kp.public_key)
+    stranger = ID.from_pubkey(create_new_key_pair().public_key)
+    info = PeerInfo(stranger, [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4001")])
+
+    async def body() -> tuple[bool, bool, bool]:
+        library = await RoutingTable(me, host).add_peer(info)
+        kad_host: Any = _KadHost(host)
+        atoll = await RoutingTable(me, kad_host).add_peer(info)
+        host.get_peerstore().add_protocols(stranger, [str(DHT_PROTOCOL)])
+        identified = await RoutingTable(me, kad_host).add_peer(info)
+        return library, atoll, identified
+
+    assert trio.run(body) == (True, False, True)
+
+
+if __name__ == "__main__":
+    main()
