@@ -5,9 +5,11 @@ Map of the modules:
 - ``host``  one py-libp2p host (Noise only, yamux): connect to peers with a Hello check
             of run and protocol version, send and receive wire messages on reused,
             constantly drained streams, per-peer byte counters
+- ``bridge`` the trainer's side of the network process: fragments in shared memory, a
+            spawned process running a trio worker (the OuterEngine lives there), small
+            msgpack commands over pipes; ``serve`` and a loopback reference worker
 
-Still to come: the DHT adapter, matchmaking and all-reduce drivers over the host, and the
-shared-memory bridge to the trainer process.
+Still to come: the DHT adapter, and matchmaking and all-reduce drivers over the host.
 """
 
 from atoll.node.net.host import (

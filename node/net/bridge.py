@@ -1,0 +1,713 @@
+"""The bridge between the trainer and the node's network process.
+
+The training loop is plain synchronous PyTorch in the node's main process; all networking
+runs in one trio event loop in a *separate* process (ARCHITECTURE.md, "Concurrency": a
+trio thread inside the trainer cut its step rate to 10-27% during a bulk transfer). The
+:class:`~atoll.protocol.engine.OuterEngine` lives in the network process: it owns the
+global copies and the outer optimizer states, encodes, exchanges and applies the outer
+step. The trainer only copies fragment values in and out of shared memory, so a training
+step never pays for encoding or networking.
+
+Pieces
+------
+- :class:`SharedFragments`: one shared-memory block per fragment holding two float32
+  vectors, ``local`` (the trainer writes it at the fragment's sync step) and ``global_``
+  (the network process writes the new global copy there after an applied round; before
+  the network process starts, the trainer writes the initial global copies there).
+- :class:`NetworkBridge` (trainer side): starts the network process (``spawn``) running a
+  *worker*, ``"module:function"`` naming ``async def main(shared, inbox, outbox,
+  **worker_args)`` run with :func:`trio.run`, and talks to it over two one-way pipes
+  carrying small msgpack commands.
+- :func:`serve` (network side): the command loop a worker runs; it hands every started
+  sync to the worker's handler in a nursery and sends the outcomes back.
+- :func:`local_engine_worker`: the reference worker: an OuterEngine with a loopback
+  exchange (a group of one), optional delay, injected failures and CPU load. Tests use it;
+  the swarm worker plugs in the same way.
+
+Ownership of the shared vectors
+-------------------------------
+Between :meth:`NetworkBridge.start_sync` for fragment ``p`` and the moment its outcome is
+handed to the trainer (by :meth:`~NetworkBridge.wait` or :meth:`~NetworkBridge.poll`),
+``local(p)`` and ``global_(p)`` belong to the network process: the trainer must neither
+write them nor read ``global_(p)`` (:meth:`NetworkBridge.in_flight` says when). After an
+outcome with ``applied=True``, ``global_(p)`` holds the new global copy and the trainer
+merges it into its parameters (:func:`merge`, the arithmetic of
+:meth:`OuterEngine.merge <atoll.protocol.engine.OuterEngine.merge>`).
+
+A wait that times out (``Timeouts.apply_wait_s``) returns ``None`` and the trainer goes
+on without the result; the round itself goes on in the network process and its outcome
+arrives later through :meth:`~NetworkBridge.poll` (a late applied round is still the
+swarm's new global copy and may be merged late).
+
+Commands (msgpack arrays)::
+
+    trainer -> network   ["start", fragment, step, tokens]   ["shutdown"]
+    network -> trainer   ["ready"]   ["outcome", fragment, step, applied, round, reason]
+                         ["error", text]   (the worker failed; the process then exits)
+
+Errors (added to the tree of :mod:`atoll.protocol.errors`)::
+
+    AtollError
+    └── NetworkProcessError   the network process failed, or the bridge is closed
+        ├── NetworkStartError the process did not start and report ready in time
+        └── NetworkProcessDied the process exited while the bridge was open
+
+The process is a daemon child that ignores SIGINT (the trainer decides when it stops); it
+exits on ``shutdown`` or when the trainer's end of the command pipe closes (the trainer
+died). Shared memory is created and unlinked by the trainer; the child only attaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import secrets
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import msgpack
+import numpy as np
+import trio
+
+from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
+from atoll.protocol.errors import AtollError, ConfigError
+from atoll.protocol.schedule import Schedule
+
+__all__ = [
+    "BridgeStats",
+    "NetworkBridge",
+    "NetworkProcessDied",
+    "NetworkProcessError",
+    "NetworkStartError",
+    "SharedFragments",
+    "SyncOutcome",
+    "local_engine_worker",
+    "merge",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+DIED = "network process died"
+"""the reason of the outcomes of rounds in flight when the network process exits"""
+_MAX_MESSAGE = 1 << 16  # commands are tiny; anything larger is a bug
+_F32 = np.dtype(np.float32)
+
+
+class NetworkProcessError(AtollError):
+    """The network process failed, or the bridge is already closed."""
+
+
+class NetworkStartError(NetworkProcessError):
+    """The network process did not start and report ready in time."""
+
+
+class NetworkProcessDied(NetworkProcessError):
+    """The network process exited while the bridge was open."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncOutcome:
+    """How one started sync ended; ``applied`` means ``global_(fragment)`` holds the new copy."""
+
+    fragment: int
+    step: int
+    """the inner step given to :meth:`NetworkBridge.start_sync`"""
+    applied: bool
+    round: int
+    """the fragment's global version the Δ was taken against (-1 when unknown)"""
+    reason: str = ""
+    """why the round was not applied (empty when it was)"""
+
+
+@dataclass(slots=True)
+class BridgeStats:
+    """Trainer-side counters of a bridge (never reset)."""
+
+    started: int = 0
+    applied: int = 0
+    """outcomes received with applied=True (late ones included)"""
+    failed: int = 0
+    """outcomes received with applied=False"""
+    skipped: int = 0
+    """waits that ran out: the trainer went on without the round's result"""
+    wait_s: float = 0.0
+    """seconds the trainer spent blocked in :meth:`NetworkBridge.wait`"""
+
+
+def merge(local: np.ndarray, global_: np.ndarray, alpha: float) -> np.ndarray:
+    """The trainer's new local copy after an applied round: α·local + (1−α)·global.
+
+    The same float32 arithmetic as :meth:`atoll.protocol.engine.OuterEngine.merge`.
+    """
+    g = np.asarray(global_, dtype=np.float32).reshape(-1)
+    a = np.float32(alpha)
+    if a == 0:
+        return g.copy()
+    out: np.ndarray = a * np.asarray(local, dtype=np.float32).reshape(-1) + (1 - a) * g
+    return out
+
+
+# -- shared memory --------------------------------------------------------------------------
+class SharedFragments:
+    """Per fragment, one shared-memory block: ``local`` then ``global_``, float32 each.
+
+    The trainer :meth:`create`\\ s (and in the end :meth:`unlink`\\ s) the blocks; the
+    network process :meth:`attach`\\ es to them by name. Views returned by :meth:`local`
+    and :meth:`global_` are valid until :meth:`close`.
+    """
+
+    def __init__(
+        self, blocks: Sequence[SharedMemory], sizes: Sequence[int], *, owner: bool
+    ) -> None:
+        self._blocks = list(blocks)
+        self.sizes: tuple[int, ...] = tuple(int(n) for n in sizes)
+        self.names: list[str] = [b.name for b in self._blocks]
+        self._owner = owner
+        self._local: list[np.ndarray] = []
+        self._global: list[np.ndarray] = []
+        for block, n in zip(self._blocks, self.sizes, strict=True):
+            self._local.append(np.ndarray((n,), _F32, buffer=block.buf, offset=0))
+            self._global.append(np.ndarray((n,), _F32, buffer=block.buf, offset=4 * n))
+        self._closed = False
+
+    @staticmethod
+    def _check_sizes(sizes: Sequence[int]) -> list[int]:
+        out = [int(n) for n in sizes]
+        if not out or any(n < 1 for n in out):
+            raise ConfigError(f"shared fragments need sizes >= 1, not {list(sizes)[:8]}")
+        return out
+
+    @classmethod
+    def create(cls, sizes: Sequence[int], *, name_prefix: str | None = None) -> SharedFragments:
+        """New zero-filled blocks, one per fragment (the trainer's side; it unlinks them)."""
+        ns = cls._check_sizes(sizes)
+        prefix = name_prefix or f"atoll-{os.getpid()}-{secrets.token_hex(4)}"
+        blocks: list[SharedMemory] = []
+        try:
+            for p, n in enumerate(ns):
+                blocks.append(SharedMemory(name=f"{prefix}-{p}", create=True, size=8 * n))
+        except BaseException as e:
+            for b in blocks:
+                b.close()
+                b.unlink()
+            if isinstance(e, FileExistsError):
+                raise ConfigError(f"shared memory {prefix!r} exists already") from None
+            if isinstance(e, OSError):
+                raise ConfigError(f"cannot create shared memory {prefix!r}: {e}") from None
+            raise
+        return cls(blocks, ns, owner=True)
+
+    @classmethod
+    def attach(cls, names: Sequence[str], sizes: Sequence[int]) -> SharedFragments:
+        """Attach to blocks created by :meth:`create` (the network process's side)."""
+        ns = cls._check_sizes(sizes)
+        if len(names) != len(ns):
+            raise ConfigError(f"{len(names)} shared-memory names for {len(ns)} sizes")
+        blocks: list[SharedMemory] = []
+        try:
+            for name, n in zip(names, ns, strict=True):
+                block = SharedMemory(name=name)
+                blocks.append(block)
+                if block.size < 8 * n:
+                    raise ConfigError(
+                        f"shared memory {name!r} holds {block.size} bytes, needs {8 * n}"
+                    )
+        except BaseException as e:
+            for b in blocks:
+                b.close()
+            if isinstance(e, FileNotFoundError):
+                raise ConfigError(f"no shared memory named {e.filename or names}") from None
+            raise
+        return cls(blocks, ns, owner=False)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def local(self, p: int) -> np.ndarray:
+        """Fragment ``p``'s local vector (the trainer writes it before starting a sync)."""
+        return self._local[p]
+
+    def global_(self, p: int) -> np.ndarray:
+        """Fragment ``p``'s global vector (the network process writes it after a round)."""
+        return self._global[p]
+
+    def close(self) -> None:
+        """Unmap the blocks in this process (views held elsewhere keep them mapped)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._local.clear()
+        self._global.clear()
+        for b in self._blocks:
+            try:
+                b.close()
+            except BufferError:  # a caller still holds a view: the mapping lives on with it
+                log.warning("shared memory %s still has views; left mapped", b.name)
+
+    def unlink(self) -> None:
+        """Remove the blocks' names (the owner does this once, after the child is gone)."""
+        for b in self._blocks:
+            with contextlib.suppress(FileNotFoundError):
+                b.unlink()
+
+    def __enter__(self) -> SharedFragments:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self._owner:
+            self.unlink()
+
+
+# -- wire of the control pipes --------------------------------------------------------------
+def _send(conn: Connection, msg: Sequence[Any]) -> None:
+    conn.send_bytes(msgpack.packb(list(msg)))
+
+
+def _decode(data: bytes) -> list[Any]:
+    msg = msgpack.unpackb(data)
+    if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
+        raise ValueError(f"not a bridge command: {msg!r:.80}")
+    return msg
+
+
+def _outcome_msg(o: SyncOutcome) -> list[Any]:
+    return ["outcome", o.fragment, o.step, o.applied, o.round, o.reason]
+
+
+# -- network process side -------------------------------------------------------------------
+Handler = Callable[[int, int, int], Awaitable[SyncOutcome]]
+
+
+async def _receive(inbox: Connection) -> list[Any] | None:
+    """The next command, without blocking the loop; None when the trainer's end closed."""
+    while True:
+        try:
+            if inbox.poll():  # commands are written whole, so a readable pipe holds one
+                return _decode(inbox.recv_bytes(_MAX_MESSAGE))
+        except (EOFError, OSError):
+            return None
+        except ValueError as e:  # not msgpack, or not a command: a bug on the other side
+            log.warning("dropped a malformed bridge command: %s", e)
+            continue
+        await trio.lowlevel.wait_readable(inbox.fileno())
+
+
+async def serve(inbox: Connection, outbox: Connection, handler: Handler) -> None:
+    """Run the bridge's command loop until ``shutdown`` or until the trainer goes away.
+
+    Sends ``ready`` first. Each ``start`` runs ``handler(fragment, step, tokens)`` in a
+    nursery (one sync in flight per fragment; a second start of the same fragment is
+    answered with a failed outcome). A handler raising :class:`AtollError` yields a
+    failed outcome with the error as reason; any other exception ends the process.
+    """
+    in_flight: set[int] = set()
+    gone = trio.Event()
+
+    def send(msg: Sequence[Any]) -> None:
+        try:
+            _send(outbox, msg)
+        except OSError:  # the trainer closed its end or died
+            gone.set()
+
+    async def run_one(p: int, step: int, tokens: int) -> None:
+        try:
+            outcome = await handler(p, step, tokens)
+        except AtollError as e:
+            outcome = SyncOutcome(p, step, False, -1, f"{type(e).__name__}: {e}")
+        finally:
+            in_flight.discard(p)
+        send(_outcome_msg(outcome))
+
+    async with trio.open_nursery() as nursery:
+
+        async def watch_gone() -> None:
+            await gone.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch_gone)
+        send(["ready"])
+        while True:
+            msg = await _receive(inbox)
+            if msg is None:
+                log.info("the trainer closed the bridge; the network process stops")
+                break
+            if msg[0] == "shutdown":
+                break
+            if msg[0] == "start" and len(msg) == 4:
+                p, step, tokens = (int(v) for v in msg[1:])
+                if p in in_flight:
+                    send(_outcome_msg(SyncOutcome(p, step, False, -1, "a sync is in flight")))
+                    continue
+                in_flight.add(p)
+                nursery.start_soon(run_one, p, step, tokens)
+            else:
+                log.warning("unknown bridge command %r", msg[:1])
+        nursery.cancel_scope.cancel()
+
+
+def _child_main(
+    worker: str,
+    names: list[str],
+    sizes: list[int],
+    inbox: Connection,
+    outbox: Connection,
+    worker_args: dict[str, Any],
+    log_level: int,
+) -> None:
+    """Entry point of the network process (spawned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when this stops
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s net[%(process)d] %(name)s %(levelname)s %(message)s"
+    )
+    shared: SharedFragments | None = None
+    code = 0
+    try:
+        module, _, attr = worker.partition(":")
+        fn = getattr(importlib.import_module(module), attr)
+        shared = SharedFragments.attach(names, sizes)
+        trio.run(functools.partial(fn, shared, inbox, outbox, **worker_args))
+    except BaseException as e:
+        code = 1
+        text = "".join(traceback.format_exception_only(type(e), e)).strip()
+        log.error("network worker %s failed: %s", worker, text, exc_info=True)
+        with contextlib.suppress(OSError):
+            _send(outbox, ["error", text])
+    finally:
+        if shared is not None:
+            shared.close()
+    sys.exit(code)
+
+
+# -- trainer side ---------------------------------------------------------------------------
+class NetworkBridge:
+    """The trainer's handle on the network process: start syncs, collect their outcomes.
+
+    Starting blocks until the worker reports ready (at most ``start_timeout_s``) and
+    raises :class:`NetworkStartError` when it does not. ``worker_args`` are pickled to the
+    child. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        shared: SharedFragments,
+        worker: str,
+        worker_args: dict[str, Any] | None = None,
+        *,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        if ":" not in worker:
+            raise ConfigError(f"worker must be 'module:function', not {worker!r}")
+        self.shared = shared
+        self.worker = worker
+        self.stats = BridgeStats()
+        self._pending: dict[int, int] = {}  # fragment -> step, started and not yet finished
+        self._finished: dict[int, SyncOutcome] = {}  # received, not yet handed out
+        self._dead: str | None = None
+        self._closed = False
+        ctx = multiprocessing.get_context("spawn")
+        cmd_r, self._cmd = ctx.Pipe(duplex=False)
+        self._out, out_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_child_main,
+            args=(
+                worker,
+                list(shared.names),
+                list(shared.sizes),
+                cmd_r,
+                out_w,
+                dict(worker_args or {}),
+                logging.getLogger().getEffectiveLevel(),
+            ),
+            name=f"atoll-net-{os.getpid()}",
+            daemon=True,
+        )
+        try:
+            self._proc.start()
+        except BaseException as e:
+            self._cmd.close()
+            self._out.close()
+            raise NetworkStartError(f"cannot start the network process: {e!r}") from e
+        finally:
+            cmd_r.close()  # the child has its own copies; EOF now means the other side died
+            out_w.close()
+        try:
+            self._await_ready(start_timeout_s)
+        except BaseException:
+            self.close(timeout_s=1.0)
+            raise
+
+    def _await_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NetworkStartError(
+                    f"network worker {self.worker} did not report ready within {timeout_s} s"
+                )
+            multiprocessing.connection.wait([self._out, self._proc.sentinel], left)
+            try:
+                if self._out.poll():
+                    msg = _decode(self._out.recv_bytes(_MAX_MESSAGE))
+                    if msg[0] == "ready":
+                        return
+                    if msg[0] == "error":
+                        raise NetworkStartError(f"network worker {self.worker} failed: {msg[1]}")
+                    raise NetworkStartError(f"unexpected first message {msg[:1]!r}")
+            except (EOFError, OSError):
+                pass
+            if not self._proc.is_alive():
+                raise NetworkStartError(
+                    f"network process exited with code {self._proc.exitcode} before ready"
+                )
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._dead is None and self._proc.is_alive()
+
+    def in_flight(self, fragment: int) -> bool:
+        """A sync of ``fragment`` was started and its outcome not yet handed out."""
+        return fragment in self._pending or fragment in self._finished
+
+    # -- the calls of the training loop --------------------------------------------------
+    def start_sync(self, fragment: int, step: int, tokens: int) -> None:
+        """Start fragment's sync; the trainer has written ``shared.local(fragment)``.
+
+        ``tokens`` is the trainer's total count of tokens trained on so far (the weight of
+        its contribution is what it grew by since the fragment's last applied round).
+        Never blocks on the network.
+        """
+        self._check_usable()
+        if not 0 <= fragment < len(self.shared):
+            raise ConfigError(f"no fragment {fragment} (there are {len(self.shared)})")
+        if self.in_flight(fragment):
+            raise ConfigError(
+                f"fragment {fragment} has a sync in flight or an outcome not yet collected"
+            )
+        try:
+            _send(self._cmd, ["start", int(fragment), int(step), int(tokens)])
+        except OSError:
+            self._mark_dead("its command pipe broke")
+            self._check_usable()
+        self._pending[fragment] = int(step)
+        self.stats.started += 1
+
+    def poll(self) -> list[SyncOutcome]:
+        """Outcomes that arrived and were not handed out yet; never blocks."""
+        if self._closed:
+            raise NetworkProcessError("the bridge is closed")
+        self._drain(0.0)
+        if not self._finished:
+            self._check_usable()
+            return []
+        out = list(self._finished.values())
+        self._finished.clear()
+        return out
+
+    def wait(self, fragment: int, timeout_s: float) -> SyncOutcome | None:
+        """Block until fragment's outcome arrives, at most ``timeout_s`` seconds.
+
+        ``None``: not finished in time; the trainer goes on without it (counted in
+        ``stats.skipped``) and the outcome comes later through :meth:`poll`. When the
+        network process dies meanwhile, the outcome is ``applied=False`` with reason
+        :data:`DIED`, and later calls raise :class:`NetworkProcessDied`.
+        """
+        if self._closed:
+            raise NetworkProcessError("the bridge is closed")
+        if fragment not in self._finished and fragment not in self._pending:
+            self._check_usable()
+            raise ConfigError(f"fragment {fragment} has no sync in flight")
+        t0 = time.monotonic()
+        deadline = t0 + max(0.0, timeout_s)
+        try:
+            while True:
+                self._drain(0.0)
+                if fragment in self._finished:
+                    return self._finished.pop(fragment)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stats.skipped += 1
+                    return None
+                self._drain(left)
+                if fragment in self._finished:
+                    return self._finished.pop(fragment)
+        finally:
+            self.stats.wait_s += time.monotonic() - t0
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the network process: ask, wait ``timeout_s``, then kill. Never hangs."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._proc.is_alive():
+                with contextlib.suppress(OSError):
+                    _send(self._cmd, ["shutdown"])
+                self._proc.join(timeout_s)
+                if self._proc.is_alive():
+                    log.warning("network process did not stop in %.1f s: killing it", timeout_s)
+                    self._proc.kill()
+                    self._proc.join(2.0)
+        finally:
+            self._cmd.close()
+            self._out.close()
+
+    def __enter__(self) -> NetworkBridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise NetworkProcessError("the bridge is closed")
+        if self._dead is None and not self._proc.is_alive():
+            self._drain(0.0)
+        if self._dead is not None:
+            raise NetworkProcessDied(f"the network process died: {self._dead}")
+
+    def _mark_dead(self, detail: str) -> None:
+        if self._dead is not None:
+            return
+        self._proc.join(1.0)
+        code = self._proc.exitcode
+        self._dead = detail if code is None else f"{detail} (exit code {code})"
+        log.error("network process died: %s", self._dead)
+        for p, step in self._pending.items():
+            self._finished[p] = SyncOutcome(p, step, False, -1, DIED)
+            self.stats.failed += 1
+        self._pending.clear()
+
+    def _drain(self, timeout_s: float) -> None:
+        """Read every message that is there, first waiting up to ``timeout_s`` for one."""
+        if self._dead is not None:
+            return
+        if timeout_s > 0:
+            multiprocessing.connection.wait([self._out, self._proc.sentinel], timeout_s)
+        try:
+            while self._out.poll():
+                try:
+                    msg = _decode(self._out.recv_bytes(_MAX_MESSAGE))
+                except ValueError as e:  # a bug in the worker: say so, keep going
+                    log.warning("dropped a malformed message of the network process: %s", e)
+                    continue
+                self._handle(msg)
+        except (EOFError, OSError):
+            self._mark_dead("it exited")
+            return
+        if not self._proc.is_alive():  # everything it sent is read: it is gone
+            self._mark_dead("it exited")
+
+    def _handle(self, msg: list[Any]) -> None:
+        kind = msg[0]
+        if kind == "outcome" and len(msg) == 6:
+            o = SyncOutcome(int(msg[1]), int(msg[2]), bool(msg[3]), int(msg[4]), str(msg[5]))
+            if self._pending.pop(o.fragment, None) is None:
+                log.warning("outcome of fragment %d that has no sync in flight", o.fragment)
+                return
+            self._finished[o.fragment] = o
+            if o.applied:
+                self.stats.applied += 1
+            else:
+                self.stats.failed += 1
+        elif kind == "error":
+            self._mark_dead(f"worker failed: {msg[1] if len(msg) > 1 else '?'}")
+        else:
+            log.warning("unexpected message from the network process: %r", msg[:1])
+
+
+# -- the reference worker -------------------------------------------------------------------
+async def local_engine_worker(
+    shared: SharedFragments,
+    inbox: Connection,
+    outbox: Connection,
+    *,
+    config: EngineConfig,
+    seed: int = 0,
+    delay_s: float = 0.0,
+    fail_every: int = 0,
+    load_s: float = 0.0,
+    load_numel: int = 1 << 20,
+) -> None:
+    """An OuterEngine over ``shared`` with a loopback exchange: a group of one.
+
+    The initial global copies are read from ``shared.global_(p)`` at start. A sync encodes
+    Δ (:meth:`OuterEngine.begin`), reduces the group's single request
+    (:func:`~atoll.protocol.engine.average_requests`), applies the outer step and writes
+    the new global copy to ``shared.global_(p)``, all CPU work in worker threads.
+    Simulation knobs: ``delay_s`` of network time per round; every ``fail_every``-th
+    round fails (``injected fault``); ``load_s`` seconds of CPU load per round (encoding
+    a random vector of ``load_numel`` values with the run's codec, again and again).
+    """
+    engine = OuterEngine(
+        config,
+        Schedule(config.H, len(shared)),
+        [shared.global_(p).copy() for p in range(len(shared))],
+        seed=seed,
+    )
+    lock = trio.Lock()  # one engine call at a time, in start order: deterministic rng use
+    seen_tokens = 0
+    rounds = 0
+    load_rng = np.random.default_rng(seed + 1)
+
+    def begin(p: int, step: int, tokens: int) -> SyncRequest:
+        nonlocal seen_tokens
+        if tokens > seen_tokens:
+            engine.add_tokens(tokens - seen_tokens)
+            seen_tokens = tokens
+        return engine.begin(p, shared.local(p), step)
+
+    def finish(p: int, request: SyncRequest) -> None:
+        averaged, _ = average_requests([request], engine.codec, config.aggregation)
+        engine.deliver(p, averaged, request.round)
+        shared.global_(p)[:] = engine.global_params(p)
+
+    async def load() -> None:
+        x = load_rng.standard_normal(load_numel, dtype=np.float32)
+        end = trio.current_time() + load_s
+        while trio.current_time() < end:
+            await trio.to_thread.run_sync(engine.codec.encode, x, load_rng)
+
+    async def handle(p: int, step: int, tokens: int) -> SyncOutcome:
+        nonlocal rounds
+        async with lock:
+            request = await trio.to_thread.run_sync(begin, p, step, tokens)
+        rounds += 1
+        try:
+            if delay_s > 0:
+                await trio.sleep(delay_s)
+            if load_s > 0:
+                await load()
+            if fail_every and rounds % fail_every == 0:
+                engine.skip(p, "injected fault")
+                return SyncOutcome(p, step, False, request.round, "injected fault")
+            async with lock:
+                await trio.to_thread.run_sync(finish, p, request)
+        except AtollError as e:
+            engine.skip(p, f"{type(e).__name__}: {e}")
+            return SyncOutcome(p, step, False, request.round, f"{type(e).__name__}: {e}")
+        except BaseException:
+            engine.skip(p, "cancelled")
+            raise
+        return SyncOutcome(p, step, True, request.round)
+
+    await serve(inbox, outbox, handle)
