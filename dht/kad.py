@@ -136,6 +136,7 @@ from atoll.protocol.errors import (
     ExchangeTimeout,
     PeerUnavailable,
     RetryableError,
+    lone_exception,
 )
 
 __all__ = ["DHT_PROTOCOL", "AtollDHT"]
@@ -349,7 +350,7 @@ class AtollDHT:
         except BaseExceptionGroup as group:
             # an exception of the block comes out of our nursery and the service's wrapped
             # twice; hand a lone one back as it was raised
-            lone = _lone_exception(group)
+            lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
             if lone is None:
                 raise
         if lone is not None:
@@ -778,22 +779,6 @@ def _lookup_target(key: str) -> bytes:
     Every atoll node stores and reads at the peers closest to this target.
     """
     return b"\x12\x20" + hashlib.sha256(key.encode("utf-8")).digest()
-
-
-def _lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The only exception inside ``group`` (nested groups included), unless it is a
-    cancellation, which must reach its cancel scope as trio delivered it."""
-    leaves: list[BaseException] = []
-    pending: list[BaseException] = [group]
-    while pending:
-        e = pending.pop()
-        if isinstance(e, BaseExceptionGroup):
-            pending.extend(e.exceptions)
-        else:
-            leaves.append(e)
-    if len(leaves) != 1 or isinstance(leaves[0], trio.Cancelled):
-        return None
-    return leaves[0]
 
 
 _KAD_LOGGERS = (

@@ -31,6 +31,7 @@ __all__ = [
     "RejectedInput",
     "RetryableError",
     "RoundAborted",
+    "lone_exception",
 ]
 
 
@@ -68,3 +69,26 @@ class CodecError(RejectedInput, ValueError):
 
 class RejectedContribution(RejectedInput):
     """A peer's contribution failed validation and was left out of the reduction."""
+
+
+def lone_exception(
+    group: BaseExceptionGroup[BaseException], *, keep_grouped: tuple[type[BaseException], ...] = ()
+) -> BaseException | None:
+    """The single exception inside ``group`` (through nested groups), or None.
+
+    Structured concurrency wraps one failure in a group per nursery it crosses; a caller
+    that knows only one thing went wrong re-raises it bare so its own callers can catch the
+    type. None when there are several leaves or the leaf is one of ``keep_grouped`` (a
+    cancellation must reach its cancel scope as the event loop delivered it).
+    """
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        e = pending.pop()
+        if isinstance(e, BaseExceptionGroup):
+            pending.extend(e.exceptions)
+        else:
+            leaves.append(e)
+    if len(leaves) != 1 or isinstance(leaves[0], keep_grouped):
+        return None
+    return leaves[0]

@@ -97,6 +97,7 @@ from atoll.protocol.errors import (
     ConfigError,
     ExchangeTimeout,
     PeerUnavailable,
+    lone_exception,
 )
 from atoll.protocol.messages import (
     MAX_FRAME_BYTES,
@@ -737,7 +738,7 @@ async def open_host(
     except BaseExceptionGroup as group:
         # an exception of the block comes out of three nurseries (ours, libp2p's host and
         # service runners) wrapped three times; hand a lone one back as it was raised
-        lone = _lone_exception(group)
+        lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
         if lone is None:
             raise
     if lone is not None:
@@ -791,22 +792,6 @@ def _not_supported(error: BaseException) -> bool:
             return True
         seen = seen.__cause__
     return False
-
-
-def _lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The only exception inside ``group`` (nested groups included), unless it is a
-    cancellation, which must reach its cancel scope as trio delivered it."""
-    leaves: list[BaseException] = []
-    pending: list[BaseException] = [group]
-    while pending:
-        e = pending.pop()
-        if isinstance(e, BaseExceptionGroup):
-            pending.extend(e.exceptions)
-        else:
-            leaves.append(e)
-    if len(leaves) != 1 or isinstance(leaves[0], trio.Cancelled):
-        return None
-    return leaves[0]
 
 
 def _describe(error: BaseException) -> str:
