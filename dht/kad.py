@@ -63,6 +63,15 @@ client-side ``put_value``, ``get_value``, ``provide`` and ``find_providers`` are
   at the first maintenance pass, where a server holding the same value refuses it as not
   newer); atoll's records live minutes and their publishers issue fresh ones.
 
+Run-agnostic serving (bootstrap peers)
+--------------------------------------
+``run_id=None`` starts a DHT that belongs to no run: it serves, stores (after the same
+validation) and reads records of every run, and publishes none (:meth:`~AtollDHT.put`,
+:meth:`~AtollDHT.announce_ready` and :meth:`~AtollDHT.find_ready` raise ``ConfigError``).
+The validator needs no run of its own: a record is checked against its key, whose run tag
+must begin the record's run id. This is what ``atoll bootstrap`` runs, for the peers of
+whatever runs an organisation hosts.
+
 Timeouts (``timeout_s``, 10 s by default) and failures
 --------------------------------------------------------
 - :meth:`~AtollDHT.bootstrap`: each address, dial and protocol check, within
@@ -252,7 +261,7 @@ class AtollDHT:
         host: IHost,
         kad: KadDHT,
         *,
-        run_id: str,
+        run_id: str | None,
         verifier: RecordVerifier,
         signer: RecordSigner,
         clock: Clock,
@@ -277,7 +286,7 @@ class AtollDHT:
         cls,
         host: IHost,
         *,
-        run_id: str,
+        run_id: str | None,
         verifier: RecordVerifier,
         signer: RecordSigner,
         clock: Clock,
@@ -294,16 +303,19 @@ class AtollDHT:
         is the caller's). ``verifier`` and ``clock`` check every record this node stores
         or reads; ``signer`` seals what it publishes. ``timeout_s`` bounds each network
         operation (see the module docstring); ``max_skew_s`` is the wall-clock skew
-        allowed between peers (:mod:`atoll.dht.records`).
+        allowed between peers (:mod:`atoll.dht.records`). ``run_id`` None starts a
+        run-agnostic DHT that serves and reads every run's records and publishes none (see
+        the module docstring).
 
         Raises ``ConfigError`` for a malformed run id, timeout, skew or address. An
         exception leaving the block comes out as raised, not wrapped in the exception
         groups of the nurseries inside.
         """
-        try:
-            check_run_id(run_id)
-        except CodecError as e:
-            raise ConfigError(str(e)) from None
+        if run_id is not None:
+            try:
+                check_run_id(run_id)
+            except CodecError as e:
+                raise ConfigError(str(e)) from None
         for name, value in (("timeout_s", timeout_s), ("max_skew_s", max_skew_s)):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"AtollDHT {name} must be a number, not {value!r}")
@@ -339,7 +351,11 @@ class AtollDHT:
                 )
                 kad_host.on_dht_stream = dht._admit_soon
                 try:
-                    logger.info("DHT %s up for run %s", dht.peer_id, run_id[:12])
+                    logger.info(
+                        "DHT %s up for %s",
+                        dht.peer_id,
+                        f"run {run_id[:12]}" if run_id is not None else "every run (serving only)",
+                    )
                     if bootstrap:
                         await dht.bootstrap(bootstrap)
                     yield dht
@@ -363,8 +379,9 @@ class AtollDHT:
         return str(self._host.get_id())
 
     @property
-    def run_id(self) -> str:
-        """The run whose topics this node announces and searches."""
+    def run_id(self) -> str | None:
+        """The run whose topics this node announces and searches; None for a run-agnostic
+        (serving-only) DHT."""
         return self._run_id
 
     def routing_table_peers(self) -> list[str]:
@@ -422,10 +439,10 @@ class AtollDHT:
 
         Raises :class:`~atoll.dht.records.RejectedRecord` before any I/O when the record
         breaks a rule (expired or from the future on this clock, sealed by another peer
-        than the record's, too large...); ``ConfigError`` when it is of another run, or a
-        newer record is already published here under its key (issue a fresh one);
-        :class:`~atoll.protocol.errors.ExchangeTimeout` when storing takes over
-        ``timeout_s``.
+        than the record's, too large...); ``ConfigError`` when it is of another run (or
+        this DHT is of none), or a newer record is already published here under its key
+        (issue a fresh one); :class:`~atoll.protocol.errors.ExchangeTimeout` when storing
+        takes over ``timeout_s``.
         """
         self._check_own_run(record)
         value = encode_value(record, self._signer)
@@ -564,8 +581,9 @@ class AtollDHT:
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigError(f"find_ready limit must be an int >= 1, not {limit!r}")
+        run_id = self._own_run("search ready topics")
         try:
-            topic = ready_topic(self._run_id, fragment, slot)
+            topic = ready_topic(run_id, fragment, slot)
         except CodecError as e:
             raise ConfigError(str(e)) from None
         providers = (await self._providers(topic))[:limit]
@@ -594,11 +612,18 @@ class AtollDHT:
         return [found[p] for p in sorted(found)]
 
     # -- inside -----------------------------------------------------------------------------
+    def _own_run(self, doing: str) -> str:
+        """This node's run id; ConfigError for a run-agnostic DHT, which cannot ``doing``."""
+        if self._run_id is None:
+            raise ConfigError(f"a run-agnostic DHT (run_id=None) serves records; it cannot {doing}")
+        return self._run_id
+
     def _check_own_run(self, record: object) -> None:
+        own = self._own_run("publish records")
         run_id = getattr(record, "run_id", None)
-        if run_id != self._run_id:
+        if run_id != own:
             raise ConfigError(
-                f"this DHT publishes records of run {self._run_id[:12]}, not of {run_id!r:.20}"
+                f"this DHT publishes records of run {own[:12]}, not of {run_id!r:.20}"
             )
 
     def _admit_soon(self, peer_id: ID) -> None:
@@ -744,7 +769,7 @@ class AtollDHT:
         the record it published), else read from the DHT. None if there is none."""
         peer = str(info.peer_id)
         try:
-            key = ready_key(self._run_id, fragment, slot, peer)
+            key = ready_key(self._own_run("fetch ready records"), fragment, slot, peer)
         except CodecError as e:  # a peer id atoll's keys cannot hold (an RSA key's, say)
             logger.info("provider %s cannot have a ready record: %s", peer, e)
             return None

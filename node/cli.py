@@ -4,10 +4,16 @@ Subcommands (more come with the swarm):
 
 - ``atoll simulate``: M replicas in one process, no network; progress and a final table.
 - ``atoll demo``: a short streaming run next to data-parallel on the default model.
+- ``atoll bootstrap``: a light DHT-only peer (no torch, no GPU) for the swarm to meet at.
 - ``atoll version``.
 
 Errors atoll raises on purpose are printed as one line (``atoll: error: ...``), never as
-a traceback; Ctrl+C stops with exit status 130.
+a traceback; Ctrl+C stops with exit status 130, except ``atoll bootstrap``, a service for
+which SIGINT and SIGTERM are the normal way to stop: exit status 0.
+
+Building the parser imports no torch (the config dataclasses live in
+:mod:`atoll.node.settings`); each subcommand imports what it runs when it runs, so
+``atoll bootstrap`` and ``atoll version`` never load torch.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from atoll.node.config import add_arguments, build_config, load_toml
+from atoll.node.settings import BootstrapConfig, SimConfig
 from atoll.protocol.errors import AtollError
 
 __all__ = ["format_table", "main"]
@@ -79,7 +86,7 @@ def _setup_logging(verbose: int) -> None:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from atoll.node.simulate import SimConfig, simulate
+    from atoll.node.simulate import simulate
 
     toml = load_toml(args.config, "simulate") if args.config else None
     cfg = build_config(SimConfig, args, toml)
@@ -93,7 +100,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from atoll.node.data import load_corpus
-    from atoll.node.simulate import SimConfig, simulate
+    from atoll.node.simulate import simulate
 
     print(
         f"atoll demo: {args.replicas} simulated peers train the '{args.preset}' model for "
@@ -120,9 +127,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from atoll.node.simulate import SimConfig
+def _cmd_bootstrap(args: argparse.Namespace) -> int:
+    from atoll.node.bootstrap import run  # trio and libp2p, never torch
 
+    toml = load_toml(args.config, "bootstrap") if args.config else None
+    if toml is not None and isinstance(toml.get("listen"), list):
+        toml["listen"] = ",".join(str(a) for a in toml["listen"])
+    if args.listen is not None:
+        args.listen = ",".join(args.listen)
+    cfg = build_config(BootstrapConfig, args, toml)
+
+    def ready(addrs: Sequence[str]) -> None:
+        for addr in addrs:  # the lines an operator (or a script) hands to peers
+            print(f"bootstrap: {addr}", flush=True)
+
+    signame = run(cfg, on_ready=ready)
+    print(f"atoll bootstrap: stopped ({signame})", file=sys.stderr, flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atoll", description="Peer-to-peer Streaming DiLoCo training."
     )
@@ -144,6 +168,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--preset", default="tiny")
     demo.add_argument("--json", help="write the results to this file")
     demo.set_defaults(func=_cmd_demo)
+
+    boot = sub.add_parser(
+        "bootstrap",
+        help="run a light DHT-only peer for the swarm to meet at (no torch, no GPU)",
+        description=(
+            "Serve atoll's DHT for the peers of every run until SIGINT or SIGTERM. Prints "
+            "'bootstrap: <multiaddr>' for each address once it serves; hand these to peers."
+        ),
+    )
+    add_arguments(boot, BootstrapConfig, skip=("listen",))
+    boot.add_argument(
+        "--listen",
+        action="append",
+        metavar="MULTIADDR",
+        help=(
+            "multiaddr to listen on; repeat for several "
+            f"(default: {BootstrapConfig.listen}; use a fixed port, peers are told it)"
+        ),
+    )
+    boot.add_argument("--config", help="TOML file (a [bootstrap] table or top-level keys)")
+    boot.set_defaults(func=_cmd_bootstrap)
 
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda _a: print(version("atoll")) or 0)

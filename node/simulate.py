@@ -21,103 +21,23 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from atoll.node.data import Batcher, Corpus, load_corpus
 from atoll.node.model import build, tensor_specs
-from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, resolve_device
-from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
-from atoll.protocol.errors import ConfigError
+from atoll.node.settings import ALGOS, SimConfig
+from atoll.node.train import FragmentViews, Replica, evaluate, resolve_device
+from atoll.protocol.engine import OuterEngine, SyncRequest, average_requests
 from atoll.protocol.fragments import Fragment, FragmentPlan, plan_fragments
-from atoll.protocol.outer import OuterConfig
 from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
 
 __all__ = ["ALGOS", "Progress", "SimConfig", "SimResult", "simulate"]
 
 log = logging.getLogger(__name__)
-
-ALGOS = ("ddp", "diloco", "streaming")
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """One simulated run. ``None`` means: the algorithm's own default."""
-
-    algo: str = "streaming"
-    """ddp, diloco or streaming"""
-    replicas: int = 4
-    """M, the number of simulated peers"""
-    steps: int = 1000
-    """inner steps per replica (the token budget is steps × M × batch × seq_len)"""
-    batch_size: int = 16
-    """sequences per replica per step"""
-    preset: str = "tiny"
-    """model preset (micro, tiny, small, base, 125m, 350m, 1b) or hf:CONFIG.json"""
-    data: str = "stdlib"
-    """'stdlib' or comma-separated text/jsonl files or folders"""
-    seed: int = 0
-    lr: float = 2e-3
-    """peak inner learning rate"""
-    warmup: int = 50
-    min_lr_ratio: float = 0.1
-    H: int = 100
-    """inner steps between syncs of one fragment"""
-    tau: int | None = None
-    """overlap steps (default: 0 for diloco, 1 for streaming)"""
-    alpha: float | None = None
-    """merge weight of the local copy (default: 0 for diloco, 0.5 for streaming)"""
-    codec: str | None = None
-    """wire codec (default: fp32 for diloco, e3m0 for streaming)"""
-    blocks_per_fragment: int = 3
-    extras: str = "own"
-    """where embeddings/norm/head go: own, first or last fragment"""
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    error_feedback: bool = False
-    aggregation: str = "mean"
-    """mean or rda"""
-    fail_prob: float = 0.0
-    """probability that a round's exchange fails (all members skip it): fault injection"""
-    final_sync: bool = True
-    """sync every fragment once more at the end so the global model holds all the work"""
-    eval_batches: int = 16
-    eval_every: int = 0
-    """evaluate the global parameters every N steps (0 = only at the end)"""
-    log_every: int = 50
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.algo not in ALGOS:
-            raise ConfigError(f"algo must be one of {', '.join(ALGOS)}, not {self.algo!r}")
-        if self.replicas < 1 or self.steps < 1 or self.batch_size < 1:
-            raise ConfigError("replicas, steps and batch_size must be >= 1")
-        if not 0.0 <= self.fail_prob <= 1.0:
-            raise ConfigError(f"fail_prob must be in [0, 1], not {self.fail_prob}")
-
-    def engine_config(self) -> EngineConfig:
-        streaming = self.algo == "streaming"
-        return EngineConfig(
-            H=self.H,
-            tau=self.tau if self.tau is not None else (1 if streaming else 0),
-            alpha=self.alpha if self.alpha is not None else (0.5 if streaming else 0.0),
-            outer=OuterConfig(self.outer_lr, self.outer_momentum, self.nesterov),
-            codec=self.codec or ("e3m0" if streaming else "fp32"),
-            error_feedback=self.error_feedback,
-            aggregation=self.aggregation,
-        )
-
-    def inner_config(self) -> InnerConfig:
-        return InnerConfig(
-            lr=self.lr, warmup=self.warmup, total_steps=self.steps, min_lr_ratio=self.min_lr_ratio
-        )
-
-    def with_(self, **changes: Any) -> SimConfig:
-        return replace(self, **changes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,13 +15,13 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from atoll.node.data import Batcher
+from atoll.node.settings import InnerConfig
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import FragmentPlan
 
@@ -36,31 +36,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class InnerConfig:
-    """Inner optimizer settings (defaults from DiLoCo, warmup shortened for small models)."""
-
-    lr: float = 2e-3
-    """peak inner learning rate"""
-    warmup: int = 50
-    """linear warmup steps"""
-    total_steps: int = 1000
-    """steps of the cosine decay (the run's length)"""
-    min_lr_ratio: float = 0.1
-    """the cosine ends at lr × this"""
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    """clip the gradient norm to this (0 = off)"""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigError(f"inner lr must be > 0, not {self.lr}")
-        if self.warmup < 0 or self.total_steps < 1:
-            raise ConfigError("warmup must be >= 0 and total_steps >= 1")
 
 
 def lr_at(step: int, cfg: InnerConfig) -> float:

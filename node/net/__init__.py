@@ -4,7 +4,8 @@ Map of the modules:
 
 - ``host``  one py-libp2p host (Noise only, yamux): connect to peers with a Hello check
             of run and protocol version, send and receive wire messages on reused,
-            constantly drained streams, per-peer byte counters
+            constantly drained streams, per-peer byte counters; ``open_libp2p_host``, the
+            same host bare, for a DHT-only peer
 - ``bridge`` the trainer's side of the network process: fragments in shared memory, a
             spawned process running a trio worker (the OuterEngine lives there), small
             msgpack commands over pipes; ``serve`` and a loopback reference worker
@@ -21,6 +22,7 @@ from atoll.node.net.host import (
     VersionMismatch,
     WrongRun,
     open_host,
+    open_libp2p_host,
 )
 
 __all__ = [
@@ -32,4 +34,5 @@ __all__ = [
     "VersionMismatch",
     "WrongRun",
     "open_host",
+    "open_libp2p_host",
 ]

@@ -3,6 +3,8 @@
 :func:`open_host` runs a libp2p host inside the network process's trio loop and yields an
 :class:`AtollHost` that connects to peers, sends them wire messages
 (:mod:`atoll.protocol.messages`) and receives theirs.
+:func:`open_libp2p_host` runs the same host bare (no message protocol, no run), for a
+peer that only serves the DHT (``atoll bootstrap``).
 
 The stream protocol
 -------------------
@@ -119,6 +121,7 @@ __all__ = [
     "VersionMismatch",
     "WrongRun",
     "open_host",
+    "open_libp2p_host",
 ]
 
 logger = logging.getLogger(__name__)
@@ -681,8 +684,76 @@ async def open_host(
     """
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise ConfigError(f"a run id is 64 lowercase hex digits, not {run_id!r}")
+    host, listen = _build_host(identity, config)
+    inbox, messages = trio.open_memory_channel[tuple[str, object]](config.receive_queue)
+    lone: BaseException | None = None
+    try:
+        async with inbox, messages, host.run(listen_addrs=listen), trio.open_nursery() as nursery:
+            await _stop_auto_connector(host)
+            atoll = AtollHost(host, identity, run_id, config, nursery, inbox, messages)
+            host.set_stream_handler(ATOLL_PROTOCOL, atoll._on_stream)
+            logger.info(
+                "host %s up for run %s on %s",
+                identity.peer_id,
+                run_id[:12],
+                ", ".join(atoll.addrs),
+            )
+            try:
+                yield atoll
+            finally:
+                host.remove_stream_handler(ATOLL_PROTOCOL)
+                nursery.cancel_scope.cancel()
+                await _close_host(host)
+    except BaseExceptionGroup as group:
+        # an exception of the block comes out of three nurseries (ours, libp2p's host and
+        # service runners) wrapped three times; hand a lone one back as it was raised
+        lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
+        if lone is None:
+            raise
+    if lone is not None:
+        raise lone
+
+
+@asynccontextmanager
+async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncIterator[BasicHost]:
+    """Run the libp2p host :func:`open_host` runs, bare: no atoll message protocol, no run.
+
+    Same security (Noise only, yamux only), listen addresses, timeouts, logging set-up and
+    bounded close (5 s) as :func:`open_host`; no stream handler of its own. For a peer that
+    only serves other protocols on the host, such as the run-agnostic DHT of ``atoll
+    bootstrap`` (:class:`~atoll.dht.kad.AtollDHT` with ``run_id=None``). Must run inside a
+    trio loop. An exception leaving the block comes out as raised, not wrapped in the
+    exception groups of libp2p's nurseries (several at once stay grouped; so does any
+    cancellation).
+    """
+    host, listen = _build_host(identity, config)
+    lone: BaseException | None = None
+    try:
+        async with host.run(listen_addrs=listen):
+            await _stop_auto_connector(host)
+            logger.info(
+                "host %s up on %s",
+                identity.peer_id,
+                ", ".join(str(a) for a in host.get_transport_addrs()),
+            )
+            try:
+                yield host
+            finally:
+                await _close_host(host)
+    except BaseExceptionGroup as group:
+        lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
+        if lone is None:
+            raise
+    if lone is not None:
+        raise lone
+
+
+def _build_host(
+    identity: Identity, config: HostConfig
+) -> tuple[BasicHost, list[multiaddr.Multiaddr]]:
+    """A libp2p host for ``identity`` (not started) and the addresses it is to listen on."""
     if not isinstance(identity, Identity):
-        raise ConfigError(f"open_host needs an Identity, not {type(identity).__name__}")
+        raise ConfigError(f"a libp2p host needs an Identity, not {type(identity).__name__}")
     try:
         listen = [multiaddr.Multiaddr(a) for a in config.listen]
     except Exception as e:
@@ -711,38 +782,16 @@ async def open_host(
     )
     if not isinstance(host, BasicHost):  # new_host builds one when no router is given
         raise TypeError(f"libp2p.new_host built a {type(host).__name__}, not a BasicHost")
-    inbox, messages = trio.open_memory_channel[tuple[str, object]](config.receive_queue)
-    lone: BaseException | None = None
-    try:
-        async with inbox, messages, host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-            # atoll chooses its peers: stop the swarm's auto-connector, which dials every
-            # peer in the peerstore (a dead peer's address included, for 2 minutes) while
-            # the node has fewer than 150 connections
-            auto_connector = getattr(host.get_network(), "auto_connector", None)
-            if auto_connector is not None:
-                await auto_connector.stop()
-            atoll = AtollHost(host, identity, run_id, config, nursery, inbox, messages)
-            host.set_stream_handler(ATOLL_PROTOCOL, atoll._on_stream)
-            logger.info(
-                "host %s up for run %s on %s",
-                identity.peer_id,
-                run_id[:12],
-                ", ".join(atoll.addrs),
-            )
-            try:
-                yield atoll
-            finally:
-                host.remove_stream_handler(ATOLL_PROTOCOL)
-                nursery.cancel_scope.cancel()
-                await _close_host(host)
-    except BaseExceptionGroup as group:
-        # an exception of the block comes out of three nurseries (ours, libp2p's host and
-        # service runners) wrapped three times; hand a lone one back as it was raised
-        lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
-        if lone is None:
-            raise
-    if lone is not None:
-        raise lone
+    return host, listen
+
+
+async def _stop_auto_connector(host: BasicHost) -> None:
+    """atoll chooses its peers: stop the swarm's auto-connector, which dials every peer in
+    the peerstore (a dead peer's address included, for 2 minutes) while the node has fewer
+    than 150 connections."""
+    auto_connector = getattr(host.get_network(), "auto_connector", None)
+    if auto_connector is not None:
+        await auto_connector.stop()
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -1,0 +1,261 @@
+"""``atoll bootstrap``: a light DHT peer that an organisation hosts for the swarm to meet at.
+
+A bootstrap peer runs atoll's DHT (:class:`~atoll.dht.kad.AtollDHT`, server mode, under
+``/atoll/kad/1.0.0``) on a bare Noise-only libp2p host
+(:func:`~atoll.node.net.host.open_libp2p_host`) and nothing else: no model, no torch, no
+GPU, no run of its own. It belongs to no run (``run_id=None``): it stores and serves the
+records of every run, each checked by the same rules as everywhere (seal, signer, key,
+expiry; :mod:`atoll.dht.records`), with atoll's Ed25519 envelopes
+(:mod:`atoll.node.envelopes`), and it publishes none. Peers of any run that know its
+address join the DHT through it and find each other.
+
+What an operator gets (the answers to what users of other peer systems complain about):
+
+- a fixed address: the identity is a key file (``~/.atoll/bootstrap.key`` by default)
+  created mode 0600 on first start and loaded after, so the peer id, and with a fixed
+  port the whole multiaddr, survive restarts;
+- one process per identity: :class:`~atoll.security.identity.IdentityLock` refuses a
+  second process with the same key file at once, naming the file and the holder's pid;
+- the address to hand out, printed (``bootstrap: /ip4/.../tcp/.../p2p/12D3KooW...``,
+  one line per address, wildcards such as ``0.0.0.0`` expanded to the interfaces' own)
+  and optionally written to a file, replaced atomically, once the DHT serves;
+- a clean stop: SIGINT (Ctrl+C) or SIGTERM closes every connection and listener, bounded
+  (about 5 s), and the process exits with status 0.
+
+Start-up failures (a bad multiaddr, a port in use, an unusable key file, the identity in
+use) raise :class:`~atoll.protocol.errors.ConfigError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import multiaddr
+import trio
+from libp2p.host.basic_host import BasicHost
+
+from atoll.dht.kad import AtollDHT
+from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
+from atoll.node.net.host import HostConfig, open_libp2p_host
+from atoll.node.settings import BootstrapConfig
+from atoll.protocol.errors import ConfigError, lone_exception
+from atoll.security.identity import Identity, IdentityLock, load_or_create
+
+__all__ = ["dialable_addrs", "run", "write_addr_file"]
+
+logger = logging.getLogger(__name__)
+
+_STATUS_EVERY_S = 600.0  # how often the routing table's size is logged (INFO)
+
+
+class _SystemClock:
+    """The DHT's clock: this machine's wall time (records expire on it)."""
+
+    def wall(self) -> float:
+        return time.time()
+
+
+def run(cfg: BootstrapConfig, *, on_ready: Callable[[Sequence[str]], None]) -> str:
+    """Serve the DHT as ``cfg`` says until SIGINT or SIGTERM; return that signal's name.
+
+    Takes the identity's lock, loads (or creates) the identity, starts the host and the
+    DHT, writes ``cfg.addr_file`` if set, then calls ``on_ready`` with the peer's full
+    multiaddrs. The signals are caught only while this runs (a signal during start-up
+    stops it too); a second SIGINT while shutting down raises ``KeyboardInterrupt``.
+
+    Raises :class:`~atoll.protocol.errors.ConfigError` (one line) when it cannot start:
+    an address that is not a multiaddr, or that cannot be listened on; a key file that
+    cannot be used; :class:`~atoll.security.identity.IdentityInUse` when another process
+    runs with the identity.
+    """
+    listen = cfg.listen_addrs()
+    for addr in listen:
+        try:
+            multiaddr.Multiaddr(addr)
+        except Exception as e:  # multiaddr raises a zoo of types on bad text
+            raise ConfigError(
+                f"--listen {addr!r} is not a multiaddr like /ip4/0.0.0.0/tcp/4001: {e}"
+            ) from None
+    path = Path(cfg.identity).expanduser()
+    with IdentityLock(path):
+        identity = load_or_create(path)
+        for addr in listen:
+            _check_port_free(addr)
+        host_config = HostConfig(
+            listen=listen, dial_timeout_s=cfg.timeout_s, hello_timeout_s=cfg.timeout_s
+        )
+        try:
+            return trio.run(_serve, cfg, identity, host_config, on_ready)
+        except OSError as e:  # bind: address in use, not available, permission denied
+            raise ConfigError(f"cannot listen on {', '.join(listen)}: {e.strerror or e}") from None
+
+
+async def _serve(
+    cfg: BootstrapConfig,
+    identity: Identity,
+    host_config: HostConfig,
+    on_ready: Callable[[Sequence[str]], None],
+) -> str:
+    """The trio side of :func:`run`: serve until a signal cancels it."""
+    caught: list[str] = []
+    lone: BaseException | None = None
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def stop_on_signal() -> None:
+                    async for signum in signals:
+                        caught.append(signal.Signals(signum).name)
+                        logger.info("%s: stopping the bootstrap peer", caught[0])
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(stop_on_signal)
+                await _serve_dht(cfg, identity, host_config, on_ready)
+        except BaseExceptionGroup as group:
+            # a start-up failure (a port in use, say) comes out of the nursery wrapped;
+            # hand a lone one back as it was raised, for its one-line message
+            lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
+            if lone is None:
+                raise
+    if lone is not None:
+        raise lone
+    # without a signal, _serve_dht never returns; a signal cancelled it
+    return caught[0] if caught else "end"
+
+
+async def _serve_dht(
+    cfg: BootstrapConfig,
+    identity: Identity,
+    host_config: HostConfig,
+    on_ready: Callable[[Sequence[str]], None],
+) -> None:
+    async with (
+        open_libp2p_host(identity, host_config) as host,
+        # the DHT's stream handler goes on before anyone can connect (see atoll.dht.kad)
+        AtollDHT.start(
+            host,
+            run_id=None,
+            verifier=EnvelopeVerifier(),
+            signer=EnvelopeSigner(identity),
+            clock=_SystemClock(),
+            timeout_s=cfg.timeout_s,
+        ) as dht,
+    ):
+        addrs = dialable_addrs(host)
+        if cfg.addr_file:
+            write_addr_file(Path(cfg.addr_file).expanduser(), addrs)
+        logger.info("bootstrap peer %s serving the DHT at %s", dht.peer_id, ", ".join(addrs))
+        on_ready(addrs)
+        while True:
+            await trio.sleep(_STATUS_EVERY_S)
+            logger.info(
+                "bootstrap peer %s: %d DHT servers in the routing table",
+                dht.peer_id,
+                len(dht.routing_table_peers()),
+            )
+
+
+def _check_port_free(addr: str) -> None:
+    """ConfigError when another socket holds the fixed TCP port of ``addr``.
+
+    py-libp2p 0.8.1 listens with SO_REUSEPORT (for hole punching), so a second process
+    of the same user binds a port already served and the kernel then splits incoming
+    connections between the two: peers dialing this bootstrap's address would reach the
+    other process, under another peer id, about every other time. A plain bind (no
+    SO_REUSEPORT) fails while anyone listens there; it is released at once. Port 0 and
+    names (``/dns4/...``) are not checked. A race with a process starting in the same
+    instant remains.
+    """
+    ma = multiaddr.Multiaddr(addr)
+    ip = family = None
+    for proto, fam in (("ip4", socket.AF_INET), ("ip6", socket.AF_INET6)):
+        with contextlib.suppress(Exception):
+            ip = ma.value_for_protocol(proto)
+        if ip:
+            family = fam
+            break
+    try:
+        port = int(ma.value_for_protocol("tcp") or 0)
+    except Exception:  # no tcp part: libp2p will say what it makes of it
+        return
+    if not ip or family is None or not port:
+        return
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR: connections of an earlier run in TIME_WAIT must not block a restart
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((ip, port))
+        except OSError as e:
+            raise ConfigError(
+                f"cannot listen on {addr}: {e.strerror or e} (is another bootstrap or "
+                "program using the port?)"
+            ) from None
+
+
+def dialable_addrs(host: BasicHost) -> list[str]:
+    """The multiaddrs other peers can dial this host at, each ending in ``/p2p/<id>``.
+
+    What the listeners are bound to (with the port the OS picked for port 0), a wildcard
+    address (``0.0.0.0``, ``::``) replaced by this machine's interface addresses; no
+    address a peer merely observed. Order kept, duplicates dropped.
+    """
+    peer = f"/p2p/{host.get_id()}"
+    out: list[str] = []
+    for addr in host.get_transport_addrs():
+        for concrete in _expand_wildcard(addr):
+            text = str(concrete) + peer
+            if text not in out:
+                out.append(text)
+    return out
+
+
+def _expand_wildcard(addr: multiaddr.Multiaddr) -> list[multiaddr.Multiaddr]:
+    ip = None
+    for proto in ("ip4", "ip6"):
+        with contextlib.suppress(Exception):
+            ip = addr.value_for_protocol(proto)
+        if ip:
+            break
+    if not ip or not ipaddress.ip_address(ip).is_unspecified:
+        return [addr]
+    # libp2p's own expansion (interface enumeration, no traffic); imported here, as the
+    # module path is not part of py-libp2p's documented API
+    from libp2p.utils.address_validation import expand_wildcard_address
+
+    try:
+        return list(expand_wildcard_address(addr)) or [addr]
+    except Exception as e:
+        logger.info("could not list the interfaces behind %s: %s", addr, e)
+        return [addr]
+
+
+def write_addr_file(path: Path, addrs: Sequence[str]) -> None:
+    """Write ``addrs``, one per line, to ``path``: a temporary file in the same directory,
+    flushed to disk, then renamed over ``path``, so a reader sees the old file or the
+    whole new one, never a part. Raises ``ConfigError`` when it cannot."""
+    text = "".join(f"{a}\n" for a in addrs).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(text)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ConfigError(f"cannot write the address file {path}: {e.strerror or e}") from None

@@ -1,0 +1,161 @@
+"""Torch-free settings: the config dataclasses of training, importable without PyTorch.
+
+:class:`SimConfig` (``atoll simulate``), :class:`InnerConfig` (the inner optimizer) and
+:class:`BootstrapConfig` (``atoll bootstrap``) live here rather than next to the code that
+runs them, so that the ``atoll`` command line builds its parser, and a light subcommand
+such as ``atoll bootstrap`` or ``atoll version`` runs, without importing torch (seconds of
+start-up, and a dependency a bootstrap host need not have; a test checks). Nothing here
+may import torch, trio or libp2p. :mod:`atoll.node.simulate` and :mod:`atoll.node.train`
+re-export the first two; import them from either place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from atoll.protocol.engine import EngineConfig
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.outer import OuterConfig
+
+__all__ = ["ALGOS", "DEFAULT_BOOTSTRAP_IDENTITY", "BootstrapConfig", "InnerConfig", "SimConfig"]
+
+ALGOS = ("ddp", "diloco", "streaming")
+
+DEFAULT_BOOTSTRAP_IDENTITY = "~/.atoll/bootstrap.key"
+"""Where ``atoll bootstrap`` keeps its identity unless told otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class InnerConfig:
+    """Inner optimizer settings (defaults from DiLoCo, warmup shortened for small models)."""
+
+    lr: float = 2e-3
+    """peak inner learning rate"""
+    warmup: int = 50
+    """linear warmup steps"""
+    total_steps: int = 1000
+    """steps of the cosine decay (the run's length)"""
+    min_lr_ratio: float = 0.1
+    """the cosine ends at lr × this"""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    """clip the gradient norm to this (0 = off)"""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"inner lr must be > 0, not {self.lr}")
+        if self.warmup < 0 or self.total_steps < 1:
+            raise ConfigError("warmup must be >= 0 and total_steps >= 1")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. ``None`` means: the algorithm's own default."""
+
+    algo: str = "streaming"
+    """ddp, diloco or streaming"""
+    replicas: int = 4
+    """M, the number of simulated peers"""
+    steps: int = 1000
+    """inner steps per replica (the token budget is steps × M × batch × seq_len)"""
+    batch_size: int = 16
+    """sequences per replica per step"""
+    preset: str = "tiny"
+    """model preset (micro, tiny, small, base, 125m, 350m, 1b) or hf:CONFIG.json"""
+    data: str = "stdlib"
+    """'stdlib' or comma-separated text/jsonl files or folders"""
+    seed: int = 0
+    lr: float = 2e-3
+    """peak inner learning rate"""
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    H: int = 100
+    """inner steps between syncs of one fragment"""
+    tau: int | None = None
+    """overlap steps (default: 0 for diloco, 1 for streaming)"""
+    alpha: float | None = None
+    """merge weight of the local copy (default: 0 for diloco, 0.5 for streaming)"""
+    codec: str | None = None
+    """wire codec (default: fp32 for diloco, e3m0 for streaming)"""
+    blocks_per_fragment: int = 3
+    extras: str = "own"
+    """where embeddings/norm/head go: own, first or last fragment"""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    error_feedback: bool = False
+    aggregation: str = "mean"
+    """mean or rda"""
+    fail_prob: float = 0.0
+    """probability that a round's exchange fails (all members skip it): fault injection"""
+    final_sync: bool = True
+    """sync every fragment once more at the end so the global model holds all the work"""
+    eval_batches: int = 16
+    eval_every: int = 0
+    """evaluate the global parameters every N steps (0 = only at the end)"""
+    log_every: int = 50
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ConfigError(f"algo must be one of {', '.join(ALGOS)}, not {self.algo!r}")
+        if self.replicas < 1 or self.steps < 1 or self.batch_size < 1:
+            raise ConfigError("replicas, steps and batch_size must be >= 1")
+        if not 0.0 <= self.fail_prob <= 1.0:
+            raise ConfigError(f"fail_prob must be in [0, 1], not {self.fail_prob}")
+
+    def engine_config(self) -> EngineConfig:
+        streaming = self.algo == "streaming"
+        return EngineConfig(
+            H=self.H,
+            tau=self.tau if self.tau is not None else (1 if streaming else 0),
+            alpha=self.alpha if self.alpha is not None else (0.5 if streaming else 0.0),
+            outer=OuterConfig(self.outer_lr, self.outer_momentum, self.nesterov),
+            codec=self.codec or ("e3m0" if streaming else "fp32"),
+            error_feedback=self.error_feedback,
+            aggregation=self.aggregation,
+        )
+
+    def inner_config(self) -> InnerConfig:
+        return InnerConfig(
+            lr=self.lr, warmup=self.warmup, total_steps=self.steps, min_lr_ratio=self.min_lr_ratio
+        )
+
+    def with_(self, **changes: Any) -> SimConfig:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """A bootstrap peer: a light DHT server of every run, with a fixed identity and address.
+
+    ``listen`` holds one or more multiaddrs separated by commas (the command line's
+    ``--listen`` may be given several times instead). The default listens on every IPv4
+    interface on TCP port 4001, the port libp2p peers are usually found on; give a fixed
+    port, since peers are told this address.
+    """
+
+    identity: str = DEFAULT_BOOTSTRAP_IDENTITY
+    """identity key file (created mode 0600 on first start; one running process per file)"""
+    listen: str = "/ip4/0.0.0.0/tcp/4001"
+    """multiaddr(s) to listen on, comma-separated; --listen may be repeated"""
+    addr_file: str | None = None
+    """also write the full multiaddr(s) to this file, one per line (replaced atomically)"""
+    timeout_s: float = 10.0
+    """bound on each dial and DHT request, in seconds"""
+
+    def __post_init__(self) -> None:
+        if not self.identity.strip():
+            raise ConfigError("bootstrap identity must be a file path, not empty")
+        if not self.listen_addrs():
+            raise ConfigError("bootstrap listen needs at least one multiaddr")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"bootstrap timeout_s must be > 0 and finite, not {self.timeout_s}")
+
+    def listen_addrs(self) -> tuple[str, ...]:
+        """``listen`` split at commas, blanks dropped."""
+        return tuple(a.strip() for a in self.listen.split(",") if a.strip())
