@@ -57,8 +57,9 @@ client-side ``put_value``, ``get_value``, ``provide`` and ``find_providers`` are
 - ``get_value`` answers from the local store when it holds the key, so a second read never
   sees a newer record, and caches what it found for 24 h; ``find_providers`` answers from
   the local provider store as soon as it holds any provider of the key, so it never sees
-  providers that came later, and caches every provider it hears of. :meth:`AtollDHT.get`
-  and :meth:`AtollDHT.find_ready` ask the closest peers every time, plus the local store;
+  providers that came later, and caches every provider it hears of. :meth:`AtollDHT.get`,
+  :meth:`AtollDHT.find_ready` and :meth:`AtollDHT.find_peers` ask the closest peers every
+  time, plus the local store;
 - ``put_value`` and ``provide`` mark the key for republishing every 22 h (the first time
   at the first maintenance pass, where a server holding the same value refuses it as not
   newer); atoll's records live minutes and their publishers issue fresh ones.
@@ -67,7 +68,7 @@ Run-agnostic serving (bootstrap peers)
 --------------------------------------
 ``run_id=None`` starts a DHT that belongs to no run: it serves, stores (after the same
 validation) and reads records of every run, and publishes none (:meth:`~AtollDHT.put`,
-:meth:`~AtollDHT.announce_ready` and :meth:`~AtollDHT.find_ready` raise ``ConfigError``).
+the ``announce_*`` and the ``find_*`` methods raise ``ConfigError``).
 The validator needs no run of its own: a record is checked against its key, whose run tag
 must begin the record's run id. This is what ``atoll bootstrap`` runs, for the peers of
 whatever runs an organisation hosts.
@@ -85,16 +86,18 @@ Timeouts (``timeout_s``, 10 s by default) and failures
   ``timeout_s``; returns the newest valid record heard of by then, else ``None`` when the
   peers had none, :class:`~atoll.protocol.errors.ExchangeTimeout` when time ran out first
   and :class:`~atoll.protocol.errors.PeerUnavailable` when there was no peer to ask.
-- :meth:`~AtollDHT.announce_ready`: :meth:`~AtollDHT.put`, then the provider
-  announcement, each within ``timeout_s``.
-- :meth:`~AtollDHT.find_ready`: the provider lookup within ``timeout_s`` (errors as for
-  ``get`` when it finds no provider), then the records, fetched 8 at a time, all within
-  another ``timeout_s``: at most ``2 * timeout_s`` in all; records not fetched by then
-  are left out.
+- :meth:`~AtollDHT.announce_ready` and :meth:`~AtollDHT.announce_peer` (a ready topic,
+  the run's peers topic): :meth:`~AtollDHT.put`, then the provider announcement, each
+  within ``timeout_s``.
+- :meth:`~AtollDHT.find_ready` and :meth:`~AtollDHT.find_peers`: the provider lookup
+  within ``timeout_s`` (errors as for ``get`` when it finds no provider), then the
+  records, fetched 8 at a time, all within another ``timeout_s``: at most
+  ``2 * timeout_s`` in all; records not fetched by then are left out.
 
 Limits the library sets: a serving peer keeps at most 20 providers per key (the first to
 announce), accepts at most 10 ADD_PROVIDER per peer per 10 s, keeps 50,000 values; a
-ready topic with more than 20 peers is seen in part by each server.
+ready topic, or a run's peers topic, with more than 20 peers is seen in part by each
+server.
 
 The host must have this module's stream handler before it connects to anyone: identify
 tells peers which protocols a host serves, and peers that identified this host earlier do
@@ -109,7 +112,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import multiaddr
 import trio
@@ -126,9 +129,18 @@ from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
 from atoll.dht.directory import Clock
-from atoll.dht.keys import NAMESPACE, check_run_id, parse_key, ready_key, ready_topic
+from atoll.dht.keys import (
+    NAMESPACE,
+    check_run_id,
+    parse_key,
+    peer_key,
+    peers_topic,
+    ready_key,
+    ready_topic,
+)
 from atoll.dht.records import (
     DEFAULT_MAX_SKEW_S,
+    PeerRecord,
     ReadyRecord,
     Record,
     RecordSigner,
@@ -157,8 +169,10 @@ DHT_PROTOCOL: TProtocol = TProtocol("/atoll/kad/1.0.0")
 
 _NOT_ATOLL_DHT = "/atoll/kad/not-served"  # what the routing table's check reads for a non-server
 _QUERY_CONCURRENCY = 10  # peers asked at once in one lookup (Kademlia's alpha, as the library)
-_FETCH_CONCURRENCY = 8  # providers' records fetched at once by find_ready
+_FETCH_CONCURRENCY = 8  # providers' records fetched at once by find_ready and find_peers
 _PROVIDER_ADDR_TTL_S = 600  # how long a provider's addresses stay in the peerstore
+
+_R = TypeVar("_R", bound=Record)  # a record kind: PeerRecord, ReadyRecord, StateRecord
 
 
 # -- the host as KadDHT sees it -----------------------------------------------------------------
@@ -527,16 +541,109 @@ class AtollDHT:
         :class:`~atoll.protocol.errors.ExchangeTimeout` when the announcement takes over
         ``timeout_s``.
         """
-        if not isinstance(record, ReadyRecord):
-            raise ConfigError(f"announce_ready needs a ReadyRecord, not {type(record).__name__}")
+        record = self._own_record(record, ReadyRecord, "announce_ready")
+        await self.put(record)
+        await self._provide(
+            ready_topic(record.run_id, record.fragment, record.slot),
+            f"ready for fragment {record.fragment} slot {record.slot}",
+        )
+
+    async def find_ready(self, fragment: int, slot: int, *, limit: int = 32) -> list[ReadyRecord]:
+        """The valid ReadyRecords of the peers that announced ``fragment``'s sync ``slot``.
+
+        Lists the providers of the ready topic (the closest peers to it are asked, and
+        this node's own store), at most ``limit``; then fetches each one's record, from
+        the provider itself first and from the DHT if that fails, 8 at a time, and keeps
+        the valid ones. Sorted by peer id. A provider is only a candidate: its record
+        decides.
+
+        Raises ``ConfigError`` for a bad fragment, slot or limit; when no provider was
+        found, :class:`~atoll.protocol.errors.ExchangeTimeout` if the provider lookup ran
+        out of time and :class:`~atoll.protocol.errors.PeerUnavailable` if there was no
+        peer to ask.
+        """
+        return await self._find(
+            ReadyRecord,
+            "find_ready",
+            limit,
+            topic_of=lambda run_id: ready_topic(run_id, fragment, slot),
+            key_of=lambda run_id, peer: ready_key(run_id, fragment, slot, peer),
+            what=f"fragment {fragment} slot {slot}",
+        )
+
+    async def announce_peer(self, record: PeerRecord) -> None:
+        """Publish ``record`` (:meth:`put`) and announce this node as a provider of its
+        run's peers topic, so that :meth:`find_peers` finds it.
+
+        A PeerRecord lives minutes (:data:`~atoll.dht.records.MAX_TTL_S` at most):
+        announce a fresh one well before the last expires (at half its lifetime, say).
+
+        Raises as :meth:`put` does, ``ConfigError`` when ``record`` is not a
+        :class:`~atoll.dht.records.PeerRecord` of this node, and
+        :class:`~atoll.protocol.errors.ExchangeTimeout` when the announcement takes over
+        ``timeout_s``.
+        """
+        record = self._own_record(record, PeerRecord, "announce_peer")
+        await self.put(record)
+        await self._provide(peers_topic(record.run_id), f"peer {record.peer_id}")
+
+    async def find_peers(self, *, limit: int = 64) -> list[PeerRecord]:
+        """The valid PeerRecords of the peers that announced themselves in this run.
+
+        Lists the providers of the run's peers topic (the closest peers to it are asked,
+        and this node's own store), at most ``limit``; then fetches each one's record, from
+        the provider itself first and from the DHT if that fails, 8 at a time, and keeps
+        the valid ones (this node's own too, once announced). Sorted by peer id. A provider
+        is only a candidate: its record decides, so a peer that left drops out when its
+        record expires.
+
+        Raises ``ConfigError`` for a bad limit or a run-agnostic DHT; when no provider was
+        found, :class:`~atoll.protocol.errors.ExchangeTimeout` if the provider lookup ran
+        out of time and :class:`~atoll.protocol.errors.PeerUnavailable` if there was no
+        peer to ask.
+        """
+        return await self._find(
+            PeerRecord,
+            "find_peers",
+            limit,
+            topic_of=peers_topic,
+            key_of=peer_key,
+            what="of the run",
+        )
+
+    # -- inside -----------------------------------------------------------------------------
+    def _own_run(self, doing: str) -> str:
+        """This node's run id; ConfigError for a run-agnostic DHT, which cannot ``doing``."""
+        if self._run_id is None:
+            raise ConfigError(f"a run-agnostic DHT (run_id=None) serves records; it cannot {doing}")
+        return self._run_id
+
+    def _check_own_run(self, record: object) -> None:
+        own = self._own_run("publish records")
+        run_id = getattr(record, "run_id", None)
+        if run_id != own:
+            raise ConfigError(
+                f"this DHT publishes records of run {own[:12]}, not of {run_id!r:.20}"
+            )
+
+    def _own_record(self, record: object, kind: type[_R], method: str) -> _R:
+        """``record`` if it is a ``kind`` about this node (a node announces itself only),
+        else ConfigError naming ``method``."""
+        if not isinstance(record, kind):
+            raise ConfigError(f"{method} needs a {kind.__name__}, not {type(record).__name__}")
         if record.peer_id != self.peer_id:
             raise ConfigError(f"a node announces itself, not peer {record.peer_id}")
-        await self.put(record)
-        topic = ready_topic(record.run_id, record.fragment, record.slot)
+        return record
+
+    async def _provide(self, topic: str, what: str) -> None:
+        """Announce this node as a provider of ``topic``: kept in its own provider store,
+        told to the closest peers within ``timeout_s`` (else ExchangeTimeout). ``what``
+        names the announcement in errors and logs."""
         topic_bytes = topic.encode("utf-8")
         providers = self._kad.provider_store
         # kept here too, and not put in providing_keys: the library would republish it
-        # every 22 h, and a ready topic is good for one sync
+        # every 22 h, and atoll's announcements last as long as their records (a ready
+        # topic is good for one sync); their publishers announce afresh
         providers.add_provider(topic_bytes, PeerInfo(self._host.get_id(), self._host.get_addrs()))
         reached = 0
         peers: list[ID] = []
@@ -555,44 +662,41 @@ class AtollDHT:
                     nursery.start_soon(tell, peer)
         if scope.cancelled_caught:
             raise ExchangeTimeout(
-                f"announcing fragment {record.fragment} slot {record.slot} took over"
-                f" {self._timeout_s} s (told {reached} of {len(peers)} closest peers)"
+                f"announcing {what} took over {self._timeout_s} s"
+                f" (told {reached} of {len(peers)} closest peers)"
             )
         if not reached:
-            logger.info(
-                "ready for fragment %d slot %d: no peer took the announcement (kept here)",
-                record.fragment,
-                record.slot,
-            )
+            logger.info("%s: no peer took the announcement (kept here)", what)
 
-    async def find_ready(self, fragment: int, slot: int, *, limit: int = 32) -> list[ReadyRecord]:
-        """The valid ReadyRecords of the peers that announced ``fragment``'s sync ``slot``.
+    async def _find(
+        self,
+        kind: type[_R],
+        method: str,
+        limit: int,
+        *,
+        topic_of: Callable[[str], str],
+        key_of: Callable[[str, str], str],
+        what: str,
+    ) -> list[_R]:
+        """The valid ``kind`` records of the providers of a topic (see :meth:`find_ready`).
 
-        Lists the providers of the ready topic (the closest peers to it are asked, and
-        this node's own store), at most ``limit``; then fetches each one's record, from
-        the provider itself first and from the DHT if that fails, 8 at a time, and keeps
-        the valid ones. Sorted by peer id. A provider is only a candidate: its record
-        decides.
-
-        Raises ``ConfigError`` for a bad fragment, slot or limit; when no provider was
-        found, :class:`~atoll.protocol.errors.ExchangeTimeout` if the provider lookup ran
-        out of time and :class:`~atoll.protocol.errors.PeerUnavailable` if there was no
-        peer to ask.
+        ``topic_of(run_id)`` is the topic, ``key_of(run_id, peer_id)`` a provider's record
+        key; ``method`` and ``what`` name the search in errors and logs.
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ConfigError(f"find_ready limit must be an int >= 1, not {limit!r}")
-        run_id = self._own_run("search ready topics")
+            raise ConfigError(f"{method} limit must be an int >= 1, not {limit!r}")
+        run_id = self._own_run(f"search topics ({method})")
         try:
-            topic = ready_topic(run_id, fragment, slot)
+            topic = topic_of(run_id)
         except CodecError as e:
             raise ConfigError(str(e)) from None
         providers = (await self._providers(topic))[:limit]
-        found: dict[str, ReadyRecord] = {}
+        found: dict[str, _R] = {}
         limiter = trio.CapacityLimiter(_FETCH_CONCURRENCY)
 
         async def fetch(info: PeerInfo) -> None:
             async with limiter:
-                record = await self._fetch_ready(info, fragment, slot)
+                record = await self._fetch(info, kind, lambda peer: key_of(run_id, peer))
             if record is not None:
                 found[record.peer_id] = record
 
@@ -602,29 +706,14 @@ class AtollDHT:
                     nursery.start_soon(fetch, info)
         if scope.cancelled_caught:
             logger.info(
-                "find_ready fragment %d slot %d: %d of %d providers' records fetched in %s s",
-                fragment,
-                slot,
+                "%s %s: %d of %d providers' records fetched in %s s",
+                method,
+                what,
                 len(found),
                 len(providers),
                 self._timeout_s,
             )
         return [found[p] for p in sorted(found)]
-
-    # -- inside -----------------------------------------------------------------------------
-    def _own_run(self, doing: str) -> str:
-        """This node's run id; ConfigError for a run-agnostic DHT, which cannot ``doing``."""
-        if self._run_id is None:
-            raise ConfigError(f"a run-agnostic DHT (run_id=None) serves records; it cannot {doing}")
-        return self._run_id
-
-    def _check_own_run(self, record: object) -> None:
-        own = self._own_run("publish records")
-        run_id = getattr(record, "run_id", None)
-        if run_id != own:
-            raise ConfigError(
-                f"this DHT publishes records of run {own[:12]}, not of {run_id!r:.20}"
-            )
 
     def _admit_soon(self, peer_id: ID) -> None:
         """The peer accepted a stream of DHT_PROTOCOL: admit it to the routing table (in
@@ -764,14 +853,17 @@ class AtollDHT:
                 raise PeerUnavailable(f"no DHT peer to ask for {topic}: bootstrap first")
         return list(found.values())
 
-    async def _fetch_ready(self, info: PeerInfo, fragment: int, slot: int) -> ReadyRecord | None:
-        """The valid ReadyRecord of provider ``info``: asked of the provider (which holds
-        the record it published), else read from the DHT. None if there is none."""
+    async def _fetch(
+        self, info: PeerInfo, kind: type[_R], key_of: Callable[[str], str]
+    ) -> _R | None:
+        """The valid ``kind`` record of provider ``info``, stored under ``key_of(peer_id)``:
+        asked of the provider (which holds the record it published), else read from the
+        DHT. None if there is none."""
         peer = str(info.peer_id)
         try:
-            key = ready_key(self._own_run("fetch ready records"), fragment, slot, peer)
+            key = key_of(peer)
         except CodecError as e:  # a peer id atoll's keys cannot hold (an RSA key's, say)
-            logger.info("provider %s cannot have a ready record: %s", peer, e)
+            logger.info("provider %s cannot have a %s: %s", peer, kind.__name__, e)
             return None
         own = info.peer_id == self._host.get_id()
         if info.addrs and not own:
@@ -787,9 +879,9 @@ class AtollDHT:
             try:
                 record = await self._read(key)
             except RetryableError as e:
-                logger.debug("no ready record of provider %s: %s", peer, e)
+                logger.debug("no %s of provider %s: %s", kind.__name__, peer, e)
                 return None
-        return record if isinstance(record, ReadyRecord) else None
+        return record if isinstance(record, kind) else None
 
 
 # -- helpers --------------------------------------------------------------------------------

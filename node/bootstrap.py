@@ -34,7 +34,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -88,8 +87,6 @@ def run(cfg: BootstrapConfig, *, on_ready: Callable[[Sequence[str]], None]) -> s
     path = Path(cfg.identity).expanduser()
     with IdentityLock(path):
         identity = load_or_create(path)
-        for addr in listen:
-            _check_port_free(addr)
         host_config = HostConfig(
             listen=listen, dial_timeout_s=cfg.timeout_s, hello_timeout_s=cfg.timeout_s
         )
@@ -163,43 +160,6 @@ async def _serve_dht(
                 dht.peer_id,
                 len(dht.routing_table_peers()),
             )
-
-
-def _check_port_free(addr: str) -> None:
-    """ConfigError when another socket holds the fixed TCP port of ``addr``.
-
-    py-libp2p 0.8.1 listens with SO_REUSEPORT (for hole punching), so a second process
-    of the same user binds a port already served and the kernel then splits incoming
-    connections between the two: peers dialing this bootstrap's address would reach the
-    other process, under another peer id, about every other time. A plain bind (no
-    SO_REUSEPORT) fails while anyone listens there; it is released at once. Port 0 and
-    names (``/dns4/...``) are not checked. A race with a process starting in the same
-    instant remains.
-    """
-    ma = multiaddr.Multiaddr(addr)
-    ip = family = None
-    for proto, fam in (("ip4", socket.AF_INET), ("ip6", socket.AF_INET6)):
-        with contextlib.suppress(Exception):
-            ip = ma.value_for_protocol(proto)
-        if ip:
-            family = fam
-            break
-    try:
-        port = int(ma.value_for_protocol("tcp") or 0)
-    except Exception:  # no tcp part: libp2p will say what it makes of it
-        return
-    if not ip or family is None or not port:
-        return
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # SO_REUSEADDR: connections of an earlier run in TIME_WAIT must not block a restart
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((ip, port))
-        except OSError as e:
-            raise ConfigError(
-                f"cannot listen on {addr}: {e.strerror or e} (is another bootstrap or "
-                "program using the port?)"
-            ) from None
 
 
 def dialable_addrs(host: BasicHost) -> list[str]:

@@ -3,7 +3,9 @@
 Subcommands (more come with the swarm):
 
 - ``atoll simulate``: M replicas in one process, no network; progress and a final table.
-- ``atoll demo``: a short streaming run next to data-parallel on the default model.
+- ``atoll node``: one peer of a swarm (joins through a bootstrap, trains a run's manifest).
+- ``atoll demo``: a bootstrap and 4 nodes on 127.0.0.1 train together, with a live table
+  (``--simulated``: the in-process comparison with data-parallel).
 - ``atoll bootstrap``: a light DHT-only peer (no torch, no GPU) for the swarm to meet at.
 - ``atoll version``.
 
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from atoll.node.config import add_arguments, build_config, load_toml
-from atoll.node.settings import BootstrapConfig, SimConfig
+from atoll.node.settings import BootstrapConfig, NodeConfig, SimConfig
 from atoll.protocol.errors import AtollError
 
 __all__ = ["format_table", "main"]
@@ -99,13 +101,34 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.simulated:
+        return _simulated_demo(args)
+    from atoll.node.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        nodes=args.replicas,
+        steps=args.steps,
+        preset=args.preset,
+        H=args.H,
+        tau=args.tau,
+        workdir=args.workdir,
+    )
+    summary = run_demo(cfg)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    if not summary["ok"]:
+        raise AtollError("some nodes did not finish; their logs are in the demo's folder")
+    return 0
+
+
+def _simulated_demo(args: argparse.Namespace) -> int:
     from atoll.node.data import load_corpus
     from atoll.node.simulate import simulate
 
     print(
-        f"atoll demo: {args.replicas} simulated peers train the '{args.preset}' model for "
-        f"{args.steps} steps, data-parallel and Streaming DiLoCo (4-bit, H={args.H}), "
-        "no network (the swarm demo comes with `atoll node`).",
+        f"atoll demo --simulated: {args.replicas} simulated peers train the '{args.preset}' "
+        f"model for {args.steps} steps, data-parallel and Streaming DiLoCo (4-bit, "
+        f"H={args.H}), in one process, no network.",
         file=sys.stderr,
     )
     corpus = load_corpus("stdlib")
@@ -146,6 +169,35 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_node(args: argparse.Namespace) -> int:
+    from atoll.node.daemon import ProgressPrinter, run_node
+
+    toml = load_toml(args.config, "node") if args.config else None
+    for name in ("join", "listen"):
+        if toml is not None and isinstance(toml.get(name), list):
+            toml[name] = ",".join(str(a) for a in toml[name])
+        if getattr(args, name) is not None:
+            setattr(args, name, ",".join(getattr(args, name)))
+    cfg = build_config(NodeConfig, args, toml)
+    printer = ProgressPrinter(cfg.progress)
+    summary = run_node(cfg, progress=printer)
+    text = (
+        f"atoll node: {summary.steps} steps ({summary.stopped_by}), loss "
+        f"{summary.first_loss:.4f} -> {summary.last_loss:.4f}"
+        + (f", eval {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
+        + f"; rounds applied {summary.rounds_applied}, failed {summary.rounds_failed}, "
+        f"alone {summary.rounds_alone}, rebases {summary.rebases}; "
+        f"up {summary.bytes_up / 1e6:.2f} MB (data-parallel: {summary.ddp_bytes / 1e6:.1f} MB); "
+        f"compute {100 * summary.utilisation:.1f}% of wall"
+    )
+    if cfg.progress == "jsonl":
+        print(json.dumps({"summary": summary.as_dict()}), flush=True)
+    print(text, file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary.as_dict(), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atoll", description="Peer-to-peer Streaming DiLoCo training."
@@ -161,12 +213,27 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", help="write the result to this file")
     sim.set_defaults(func=_cmd_simulate)
 
-    demo = sub.add_parser("demo", help="short streaming run next to data-parallel")
-    demo.add_argument("--replicas", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=200)
+    demo = sub.add_parser(
+        "demo",
+        help="a bootstrap and 4 nodes on 127.0.0.1 train together; a live table",
+        description=(
+            "Start a bootstrap peer and N node processes on this machine, train the tiny "
+            "model for a few minutes, print a live table and a summary (loss, bytes per "
+            "peer, bytes data-parallel would have needed)."
+        ),
+    )
+    demo.add_argument("--replicas", "--nodes", type=int, default=4, help="nodes (default 4)")
+    demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--H", type=int, default=50)
+    demo.add_argument("--tau", type=int, default=5)
     demo.add_argument("--preset", default="tiny")
-    demo.add_argument("--json", help="write the results to this file")
+    demo.add_argument("--workdir", help="keep the nodes' files and logs in this folder")
+    demo.add_argument(
+        "--simulated",
+        action="store_true",
+        help="instead: simulated peers in one process, data-parallel next to streaming",
+    )
+    demo.add_argument("--json", help="write the summary to this file")
     demo.set_defaults(func=_cmd_demo)
 
     boot = sub.add_parser(
@@ -189,6 +256,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--config", help="TOML file (a [bootstrap] table or top-level keys)")
     boot.set_defaults(func=_cmd_bootstrap)
+
+    node = sub.add_parser(
+        "node",
+        help="train as one peer of a swarm",
+        description=(
+            "Join a swarm through --join addresses and train the run a manifest defines. "
+            "Ctrl+C stops cleanly after the current step."
+        ),
+    )
+    add_arguments(node, NodeConfig, skip=("join", "listen"))
+    node.add_argument(
+        "--join",
+        action="append",
+        metavar="MULTIADDR",
+        help="bootstrap or peer address (/ip4/.../tcp/.../p2p/12D3KooW...); repeat for several",
+    )
+    node.add_argument(
+        "--listen",
+        action="append",
+        metavar="MULTIADDR",
+        help=f"multiaddr to listen on; repeat for several (default: {NodeConfig.listen})",
+    )
+    node.add_argument("--config", help="TOML file (a [node] table or top-level keys)")
+    node.add_argument("--json", help="write the summary to this file")
+    node.set_defaults(func=_cmd_node)
 
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda _a: print(version("atoll")) or 0)

@@ -19,11 +19,20 @@ from atoll.protocol.engine import EngineConfig
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.outer import OuterConfig
 
-__all__ = ["ALGOS", "DEFAULT_BOOTSTRAP_IDENTITY", "BootstrapConfig", "InnerConfig", "SimConfig"]
+__all__ = [
+    "ALGOS",
+    "DEFAULT_BOOTSTRAP_IDENTITY",
+    "DEFAULT_NODE_IDENTITY",
+    "BootstrapConfig",
+    "InnerConfig",
+    "NodeConfig",
+    "SimConfig",
+]
 
 ALGOS = ("ddp", "diloco", "streaming")
 
 DEFAULT_BOOTSTRAP_IDENTITY = "~/.atoll/bootstrap.key"
+DEFAULT_NODE_IDENTITY = "~/.atoll/node.key"
 """Where ``atoll bootstrap`` keeps its identity unless told otherwise."""
 
 
@@ -155,6 +164,60 @@ class BootstrapConfig:
             raise ConfigError("bootstrap listen needs at least one multiaddr")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"bootstrap timeout_s must be > 0 and finite, not {self.timeout_s}")
+
+    def listen_addrs(self) -> tuple[str, ...]:
+        """``listen`` split at commas, blanks dropped."""
+        return tuple(a.strip() for a in self.listen.split(",") if a.strip())
+
+
+PROGRESS_MODES = ("text", "jsonl", "none")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One peer of a swarm (``atoll node``): which run, whom to join, how to report.
+
+    ``join`` and ``listen`` hold multiaddrs separated by commas (the command line's
+    ``--join`` and ``--listen`` may be repeated instead).
+    """
+
+    run: str = ""
+    """the run's manifest (TOML); its hash is the run id, peers of other manifests never mix"""
+    join: str = ""
+    """bootstrap or peer multiaddr(s) ending in /p2p/<id>, comma-separated"""
+    identity: str = DEFAULT_NODE_IDENTITY
+    """identity key file (created mode 0600 on first start; one running node per file)"""
+    listen: str = "/ip4/0.0.0.0/tcp/0"
+    """multiaddr(s) to listen on, comma-separated (port 0: any free port)"""
+    steps: int = 0
+    """inner steps to train, then stop (0: up to the manifest's total_steps)"""
+    join_timeout_s: float = 60.0
+    """keep retrying the join addresses (with backoff) this long before giving up"""
+    device: str = "auto"
+    threads: int = 0
+    """torch CPU threads (0: torch's default)"""
+    log_every: int = 20
+    """a progress line every N steps (and at least every 10 s)"""
+    eval_batches: int = 8
+    """validation batches evaluated at the end (0: none)"""
+    progress: str = "text"
+    """text (a status line on stderr), jsonl (JSON lines on stdout) or none"""
+
+    def __post_init__(self) -> None:
+        if not self.run.strip():
+            raise ConfigError("a node needs --run MANIFEST.toml (the run to train in)")
+        if self.steps < 0 or self.log_every < 1 or self.eval_batches < 0:
+            raise ConfigError("steps and eval_batches must be >= 0, log_every >= 1")
+        if not (math.isfinite(self.join_timeout_s) and self.join_timeout_s > 0):
+            raise ConfigError(f"join_timeout_s must be > 0, not {self.join_timeout_s}")
+        if self.progress not in PROGRESS_MODES:
+            raise ConfigError(f"progress must be one of {PROGRESS_MODES}, not {self.progress!r}")
+        if not self.listen_addrs():
+            raise ConfigError("a node needs at least one --listen multiaddr")
+
+    def join_addrs(self) -> tuple[str, ...]:
+        """``join`` split at commas, blanks dropped."""
+        return tuple(a.strip() for a in self.join.split(",") if a.strip())
 
     def listen_addrs(self) -> tuple[str, ...]:
         """``listen`` split at commas, blanks dropped."""

@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from atoll.protocol.reduce import (
     reduce_encoded,
 )
 from atoll.protocol.schedule import Schedule
+from atoll.protocol.statesync import FragmentState
 
 __all__ = [
     "AGGREGATIONS",
@@ -284,6 +285,54 @@ class OuterEngine:
             return g.copy()
         out: np.ndarray = a * np.asarray(local, dtype=np.float32).reshape(-1) + (1 - a) * g
         return out
+
+    # -- state transfer (rebase) -----------------------------------------------------------
+    def export_fragment(self, p: int, step: int = 0) -> FragmentState:
+        """Fragment ``p``'s shared state (version, outer state, global copy) to serve a peer.
+
+        ``step`` is this peer's inner step, handed to the peer that copies it.
+        """
+        frag = self._frags[p]
+        opt = frag.optimizer.state_dict()
+        return FragmentState(
+            version=frag.version,
+            optimizer_steps=int(cast(int, opt["steps"])),
+            step=int(step),
+            global_params=frag.global_params.copy(),
+            momentum=cast(np.ndarray, opt["momentum_buffer"]),
+        )
+
+    def digest(self, p: int) -> str:
+        """The digest of fragment ``p``'s shared state (:meth:`FragmentState.digest`)."""
+        return self.export_fragment(p).digest()
+
+    def import_fragment(self, p: int, state: FragmentState) -> None:
+        """Replace fragment ``p``'s shared state by a peer's copy (a rebase).
+
+        A sync in flight is skipped first (its Δ was taken against the old copy). The
+        error-feedback residual is cleared; the token mark is kept, so the work since the
+        last applied round still counts. ConfigError when the sizes do not fit.
+        """
+        frag = self._frags[p]
+        if state.global_params.size != frag.global_params.size:
+            raise ConfigError(
+                f"fragment {p}: peer state has {state.global_params.size} values, "
+                f"expected {frag.global_params.size}"
+            )
+        self.skip(p, "rebased")
+        opt = OuterSGD(frag.global_params.size, self.config.outer)
+        opt.load_state_dict(
+            {
+                "numel": frag.global_params.size,
+                "steps": state.optimizer_steps,
+                "momentum_buffer": state.momentum.copy(),
+            }
+        )
+        frag.global_params = state.global_params.copy()
+        frag.optimizer = opt
+        frag.version = state.version
+        if frag.residual is not None:
+            frag.residual = np.zeros_like(frag.global_params)
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -43,6 +43,8 @@ Commands (msgpack arrays)::
 
     trainer -> network   ["start", fragment, step, tokens]   ["shutdown"]
     network -> trainer   ["ready"]   ["outcome", fragment, step, applied, round, reason]
+                         ["info", {key: value}]   (status for the trainer's display;
+                                                   merged into NetworkBridge.info)
                          ["error", text]   (the worker failed; the process then exits)
 
 Errors (added to the tree of :mod:`atoll.protocol.errors`)::
@@ -95,6 +97,7 @@ __all__ = [
     "SyncOutcome",
     "local_engine_worker",
     "merge",
+    "post_info",
     "serve",
 ]
 
@@ -383,7 +386,10 @@ def _child_main(
     except BaseException as e:
         code = 1
         text = "".join(traceback.format_exception_only(type(e), e)).strip()
-        log.error("network worker %s failed: %s", worker, text, exc_info=True)
+        # an AtollError is a reason for the user (join failed, bad run), not a bug
+        log.error(
+            "network worker %s failed: %s", worker, text, exc_info=not isinstance(e, AtollError)
+        )
         with contextlib.suppress(OSError):
             _send(outbox, ["error", text])
     finally:
@@ -418,6 +424,8 @@ class NetworkBridge:
         self._finished: dict[int, SyncOutcome] = {}  # received, not yet handed out
         self._dead: str | None = None
         self._closed = False
+        self.info: dict[str, Any] = {}
+        """the latest ``info`` the worker sent (a dict it fills: peers, bytes, ...)"""
         ctx = multiprocessing.get_context("spawn")
         cmd_r, self._cmd = ctx.Pipe(duplex=False)
         self._out, out_w = ctx.Pipe(duplex=False)
@@ -464,6 +472,9 @@ class NetworkBridge:
                     msg = _decode(self._out.recv_bytes(_MAX_MESSAGE))
                     if msg[0] == "ready":
                         return
+                    if msg[0] == "info" and len(msg) == 2 and isinstance(msg[1], dict):
+                        self.info.update(msg[1])
+                        continue
                     if msg[0] == "error":
                         raise NetworkStartError(f"network worker {self.worker} failed: {msg[1]}")
                     raise NetworkStartError(f"unexpected first message {msg[:1]!r}")
@@ -552,6 +563,13 @@ class NetworkBridge:
         finally:
             self.stats.wait_s += time.monotonic() - t0
 
+    def refresh(self, timeout_s: float = 0.0) -> dict[str, Any]:
+        """Read what the network process sent (waiting up to ``timeout_s`` for a first
+        message) and return the latest :attr:`info`; outcomes wait for :meth:`poll`."""
+        if not self._closed:
+            self._drain(timeout_s)
+        return self.info
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the network process: ask, wait ``timeout_s``, then kill. Never hangs."""
         if self._closed:
@@ -629,6 +647,8 @@ class NetworkBridge:
                 self.stats.applied += 1
             else:
                 self.stats.failed += 1
+        elif kind == "info" and len(msg) == 2 and isinstance(msg[1], dict):
+            self.info.update(msg[1])
         elif kind == "error":
             self._mark_dead(f"worker failed: {msg[1] if len(msg) > 1 else '?'}")
         else:
@@ -711,3 +731,9 @@ async def local_engine_worker(
         return SyncOutcome(p, step, True, request.round)
 
     await serve(inbox, outbox, handle)
+
+
+def post_info(outbox: Connection, info: dict[str, Any]) -> None:
+    """Send status ``info`` to the trainer (merged into :attr:`NetworkBridge.info`)."""
+    with contextlib.suppress(OSError):  # the trainer went away: serve() notices
+        _send(outbox, ["info", info])

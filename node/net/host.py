@@ -63,11 +63,13 @@ Errors (added to the tree of :mod:`atoll.protocol.errors`)::
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import math
 import os
 import re
+import socket
 import struct
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
@@ -120,6 +122,7 @@ __all__ = [
     "HostConfig",
     "VersionMismatch",
     "WrongRun",
+    "exclusive_listen_addr",
     "open_host",
     "open_libp2p_host",
 ]
@@ -274,6 +277,11 @@ class AtollHost:
     def run_id(self) -> str:
         """The run this host serves."""
         return self._run_id
+
+    @property
+    def libp2p_host(self) -> BasicHost:
+        """The libp2p host under atoll's message streams (the DHT runs on it too)."""
+        return self._host
 
     @property
     def addrs(self) -> list[str]:
@@ -748,6 +756,50 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
         raise lone
 
 
+def exclusive_listen_addr(addr: str) -> str:
+    """``addr`` with a TCP port no other socket holds: port 0 replaced by a free port.
+
+    py-libp2p 0.8.1 listens with SO_REUSEPORT (for hole punching), so a second process
+    of the same user can bind a port already served, and the kernel then splits incoming
+    connections between the two: peers dialing one node's address would reach the other,
+    under another peer id, about every other time. Measured here: with port 0, a node
+    of a local swarm was given a port another node already served and never completed a
+    dial. A plain bind (no SO_REUSEPORT) fails while anyone listens on a port and never
+    picks such a port for port 0; so a fixed port is checked with one (ConfigError when
+    taken) and port 0 is replaced by the port a plain bind picks, released at once. A
+    race with a process starting in the same instant remains. Names (``/dns4/...``) and
+    non-TCP addresses are returned unchanged.
+    """
+    ma = multiaddr.Multiaddr(addr)
+    ip = family = None
+    for proto, fam in (("ip4", socket.AF_INET), ("ip6", socket.AF_INET6)):
+        with contextlib.suppress(Exception):
+            ip = ma.value_for_protocol(proto)
+        if ip:
+            family = fam
+            break
+    try:
+        port = int(ma.value_for_protocol("tcp") or 0)
+    except Exception:  # no tcp part: libp2p will say what it makes of it
+        return addr
+    if not ip or family is None:
+        return addr
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR: connections of an earlier run in TIME_WAIT must not block a restart
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((ip, port))
+        except OSError as e:
+            raise ConfigError(
+                f"cannot listen on {addr}: {e.strerror or e} (is another atoll peer or "
+                "program using the port?)"
+            ) from None
+        if port:
+            return addr
+        free = probe.getsockname()[1]
+    return re.sub(r"/tcp/0(?=/|$)", f"/tcp/{free}", addr, count=1)
+
+
 def _build_host(
     identity: Identity, config: HostConfig
 ) -> tuple[BasicHost, list[multiaddr.Multiaddr]]:
@@ -758,6 +810,7 @@ def _build_host(
         listen = [multiaddr.Multiaddr(a) for a in config.listen]
     except Exception as e:
         raise ConfigError(f"HostConfig.listen holds a bad multiaddr: {e}") from None
+    listen = [multiaddr.Multiaddr(exclusive_listen_addr(str(a))) for a in listen]
     _configure_libp2p_logging()
 
     key_pair = create_new_key_pair(identity.private_bytes())

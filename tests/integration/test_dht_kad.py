@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +107,7 @@ async def _node(args: argparse.Namespace) -> None:
     clock = ShiftedClock()
     config = HostConfig(dial_timeout_s=5, hello_timeout_s=5)
     async with open_host(identity, args.run, config) as atoll_host:
-        host = atoll_host._host  # the libp2p host under atoll's message streams
+        host = atoll_host.libp2p_host
         async with AtollDHT.start(
             host,
             run_id=args.run,
@@ -147,6 +147,12 @@ async def _command(dht: AtollDHT, clock: ShiftedClock, host: BasicHost, cmd: dic
     if op == "find_ready":
         records = await dht.find_ready(cmd["fragment"], cmd["slot"])
         return {"records": [encode_message(r).hex() for r in records]}
+    if op == "find_peers":
+        peers = await dht.find_peers()
+        return {"records": [encode_message(r).hex() for r in peers]}
+    if op == "announce_peer":  # any record: announce_peer must refuse all but its own PeerRecord
+        await dht.announce_peer(decode_message(bytes.fromhex(cmd["record"])))
+        return {}
     if op == "put":
         record = decode_message(bytes.fromhex(cmd["record"]))
         assert isinstance(record, PeerRecord | ReadyRecord)
@@ -431,6 +437,52 @@ def test_find_ready_returns_both_peers_ready_records(swarm: Swarm) -> None:
     empty = b.call("find_ready", fragment=3, slot=8)  # nobody announced this slot
     assert empty.get("records") == [], empty
     print(f"\nfind_ready {', '.join(f'{t:.3f}' for t in times)} s; none {empty['s']:.3f} s")
+
+
+@pytest.mark.timeout(240)
+def test_find_peers_returns_the_peer_records_both_peers_announced(swarm: Swarm) -> None:
+    boot, a, b = swarm.boot, swarm.a, swarm.b
+    # the swarm put its PeerRecords without announcing them, and no other test announces
+    # one: the peers topic has no provider yet, so an empty list (the peers were asked)
+    none = boot.call("find_peers")
+    assert none.get("records") == [] and none["s"] < DHT_TIMEOUT_S, none
+    now = time.time()
+    ready = ready_record(a.peer_id, 3, 7, now)
+    # what the directory reads of a peer: addresses, throughput, per-fragment versions
+    a_record = replace(
+        peer_record(a.peer_id, (a.addr,), now),
+        tokens_per_s=1200.0,
+        versions=(4, 0),
+        digests=("ab" * 32, ""),
+        serving=True,
+    )
+    b_record = replace(
+        peer_record(b.peer_id, (b.addr,), now),
+        tokens_per_s=800.5,
+        versions=(3, 7),
+        digests=("cd" * 32, "ef" * 32),
+    )
+    published = {a.peer_id: a_record, b.peer_id: b_record}
+    # a node announces its own PeerRecord only
+    for wrong in (published[b.peer_id], ready):
+        out = a.call("announce_peer", record=encode_message(wrong).hex())
+        assert out.get("error") == "ConfigError", out
+    announced = []
+    for node in (a, b):
+        out = node.call("announce_peer", record=encode_message(published[node.peer_id]).hex())
+        assert "error" not in out, out
+        announced.append(out["s"])
+    times = []
+    for reader in (b, a, boot):  # the peers that announced, and one that did not
+        out = reader.call("find_peers")
+        assert "records" in out, out
+        records = [record_of(r) for r in out["records"]]
+        assert records == [published[p] for p in sorted(published)], out
+        times.append(out["s"])
+    print(
+        f"\nannounce_peer {', '.join(f'{t:.3f}' for t in announced)} s; find_peers"
+        f" {', '.join(f'{t:.3f}' for t in times)} s; none {none['s']:.3f} s"
+    )
 
 
 @pytest.mark.timeout(240)

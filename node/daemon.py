@@ -1,0 +1,368 @@
+"""``atoll node``: one peer of a training swarm, the trainer side.
+
+The trainer is plain synchronous PyTorch in this process; the swarm (host, DHT, groups,
+all-reduce, the outer engine) runs in a network process of its own
+(:func:`atoll.node.net.swarm.swarm_worker` behind a
+:class:`~atoll.node.net.bridge.NetworkBridge`), so that a transfer never steals the
+trainer's GIL (ARCHITECTURE.md, "Concurrency"). Per inner step:
+
+1. train one step (AdamW, the manifest's schedule), on this peer's own data stream;
+2. for every fragment whose sync is due (Streaming DiLoCo's schedule, arXiv 2501.18512):
+   copy its values into shared memory and start the sync; training goes on;
+3. ``τ`` steps later, wait for the result at most ``timeouts.apply_wait_s``; an applied
+   round is merged (local ← α·local + (1−α)·global); a wait that runs out is counted and
+   logged, and a late result is merged when it arrives.
+
+Progress goes to stderr every ``log_every`` steps: step, loss, tokens/s, peers seen, the
+last sync of every fragment, bytes up and down, and the time spent waiting on the
+network; ``--progress jsonl`` writes the same as JSON lines to stdout (for ``atoll demo``
+and scripts). Ctrl+C (SIGINT) or SIGTERM stops after the current step: the network
+process is told to shut down (bounded), the summary is printed and written, exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import torch
+
+from atoll.node.data import Batcher, load_corpus
+from atoll.node.model import build, tensor_specs
+from atoll.node.net.bridge import NetworkBridge, SharedFragments, SyncOutcome, merge
+from atoll.node.settings import NodeConfig
+from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, resolve_device
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.fragments import plan_fragments
+from atoll.protocol.manifest import RunManifest
+from atoll.protocol.reduce import allreduce_bytes_per_peer
+from atoll.protocol.schedule import Schedule
+from atoll.security.identity import IdentityLock, load_or_create
+
+__all__ = ["NodeSummary", "run_node"]
+
+logger = logging.getLogger(__name__)
+
+WORKER = "atoll.node.net.swarm:swarm_worker"
+
+
+@dataclass
+class NodeSummary:
+    """What a node reports when it stops (also the ``--json`` file)."""
+
+    peer_id: str
+    run_id: str
+    start_step: int
+    steps: int
+    final_step: int
+    first_loss: float
+    last_loss: float
+    eval_loss: float | None
+    tokens: int
+    wall_s: float
+    compute_s: float
+    net_wait_s: float
+    bytes_up: int
+    bytes_down: int
+    ddp_bytes: int
+    """bytes a data-parallel peer would have sent for the same steps (ring all-reduce)"""
+    rounds_applied: int
+    rounds_failed: int
+    rounds_alone: int
+    rebases: int
+    waits_run_out: int
+    stopped_by: str
+    global_digest: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def utilisation(self) -> float:
+        return self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["utilisation"] = self.utilisation
+        return d
+
+
+class _Stop:
+    """Catches SIGINT/SIGTERM while the node runs: the loop stops after its step."""
+
+    def __init__(self) -> None:
+        self.by = ""
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            if self.by:  # a second Ctrl+C: the user insists
+                raise KeyboardInterrupt
+            self.by = signal.Signals(signum).name
+            logger.warning("%s: stopping after this step", self.by)
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def _peer_number(peer_id: str) -> int:
+    """A data stream index of this peer: different peers read different batches."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:3], "big")
+
+
+def _digest(shared: SharedFragments) -> str:
+    h = hashlib.sha256()
+    for p in range(len(shared)):
+        h.update(shared.global_(p).tobytes())
+    return h.hexdigest()
+
+
+def run_node(
+    cfg: NodeConfig,
+    *,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> NodeSummary:
+    """Train as one peer of the swarm ``cfg`` names until ``cfg.steps`` or a stop signal."""
+    manifest = RunManifest.load(Path(cfg.run).expanduser())
+    run_id = manifest.run_id()
+    device = resolve_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    corpus = load_corpus(manifest.data)
+    if manifest.corpus_sha256 and corpus.fingerprint != manifest.corpus_sha256:
+        raise ConfigError(
+            f"this peer's data ({corpus.fingerprint[:12]}) is not the run's "
+            f"({manifest.corpus_sha256[:12]}): check 'data' in {cfg.run}"
+        )
+    model, seq_len = build(manifest.model, manifest.seed)
+    plan = plan_fragments(
+        tensor_specs(model),
+        blocks_per_fragment=manifest.blocks_per_fragment,
+        extras=manifest.extras,
+    )
+    schedule = Schedule(manifest.H, len(plan))
+    schedule.check_overlap(manifest.tau)
+    views = FragmentViews(model, plan)
+    identity_path = Path(cfg.identity).expanduser()
+    lock = IdentityLock(identity_path)
+    lock.acquire()  # IdentityInUse (one line) when another node runs with this identity
+    stop = _Stop()
+    try:
+        identity = load_or_create(identity_path)
+        batcher = Batcher(corpus, seq_len, manifest.batch_size, manifest.seed)
+        inner = InnerConfig(
+            lr=manifest.lr,
+            warmup=manifest.warmup,
+            total_steps=manifest.total_steps,
+            min_lr_ratio=manifest.min_lr_ratio,
+        )
+        rep = Replica(model, inner, batcher, _peer_number(identity.peer_id), device)
+        n_params = sum(p.numel() for p in model.parameters())
+        shared = SharedFragments.create([views.numel(p) for p in range(len(plan))])
+        try:
+            for p in range(len(plan)):
+                shared.global_(p)[:] = views.get(p)
+            args = {
+                "manifest": manifest,
+                "identity_file": str(identity_path),
+                "join": tuple(cfg.join_addrs()),
+                "listen": tuple(cfg.listen_addrs()),
+                "join_timeout_s": cfg.join_timeout_s,
+                "seed": manifest.seed,
+            }
+            with (
+                stop.installed(),
+                NetworkBridge(
+                    shared, WORKER, args, start_timeout_s=cfg.join_timeout_s + 120
+                ) as bridge,
+            ):
+                return _train(
+                    cfg,
+                    manifest,
+                    bridge,
+                    shared,
+                    rep,
+                    views,
+                    schedule,
+                    stop,
+                    progress,
+                    n_params=n_params,
+                    run_id=run_id,
+                    seq_len=seq_len,
+                )
+        finally:
+            shared.close()
+            shared.unlink()
+    finally:
+        lock.release()
+
+
+def _train(
+    cfg: NodeConfig,
+    manifest: RunManifest,
+    bridge: NetworkBridge,
+    shared: SharedFragments,
+    rep: Replica,
+    views: FragmentViews,
+    schedule: Schedule,
+    stop: _Stop,
+    progress: Callable[[dict[str, Any]], None] | None,
+    *,
+    n_params: int,
+    run_id: str,
+    seq_len: int,
+) -> NodeSummary:
+    info = bridge.info
+    start = int(info.get("start_step", 0))
+    # the swarm's global copies (the seed's, or a peer's after a catch-up) start training
+    for p in range(len(shared)):
+        views.set(p, shared.global_(p))
+    logger.info("peer %s trains from step %d", info.get("peer_id"), start)
+    t0 = time.perf_counter()
+    tokens = 0
+    losses: list[float] = []
+    first_loss = float("nan")
+    apply_at: dict[int, int] = {}  # fragment -> step after which its result is needed
+    wait_runs_out = 0
+    end = start + cfg.steps if cfg.steps else manifest.total_steps
+    step = start
+
+    def take(outcome: SyncOutcome, late: bool) -> None:
+        apply_at.pop(outcome.fragment, None)
+        if outcome.applied:
+            p = outcome.fragment
+            views.set(p, merge(views.get(p), shared.global_(p), manifest.alpha))
+            if late:
+                logger.info("fragment %d: late result merged at step %d", p, step)
+        else:
+            logger.info("fragment %d: round skipped (%s)", outcome.fragment, outcome.reason)
+
+    last_report = time.monotonic()
+    while step < end and not stop.by:
+        loss = rep.train_step(step)
+        losses.append(loss)
+        if step == start:
+            first_loss = loss
+        tokens += rep.batcher.tokens_per_batch
+        for outcome in bridge.poll():  # results that came after their wait ran out
+            take(outcome, late=True)
+        for p in [p for p, at in apply_at.items() if at == step]:
+            got = bridge.wait(p, manifest.timeouts.apply_wait_s)
+            if got is None:
+                wait_runs_out += 1
+                apply_at.pop(p)
+                logger.info(
+                    "fragment %d: no result within %.1f s; training on",
+                    p,
+                    manifest.timeouts.apply_wait_s,
+                )
+            else:
+                take(got, late=False)
+        for p in schedule.due(step):
+            if bridge.in_flight(p):
+                logger.info("fragment %d: previous sync still in flight; this one skipped", p)
+                continue
+            shared.local(p)[:] = views.get(p)
+            bridge.start_sync(p, step, tokens)
+            apply_at[p] = step + manifest.tau
+        step += 1
+        if progress and (
+            step % cfg.log_every == 0 or step == end or time.monotonic() - last_report > 10
+        ):
+            last_report = time.monotonic()
+            window = losses[-cfg.log_every :]
+            wall = time.perf_counter() - t0
+            progress(
+                {
+                    "step": step,
+                    "end": end,
+                    "loss": sum(window) / len(window),
+                    "tokens_per_s": tokens / max(wall, 1e-9),
+                    "wall_s": wall,
+                    "compute_s": rep.timer.compute_s,
+                    "net_wait_s": bridge.stats.wait_s,
+                    "peers": info.get("peers_seen", 0),
+                    "last_sync": info.get("last_sync", {}),
+                    "bytes_up": info.get("bytes_up", 0),
+                    "bytes_down": info.get("bytes_down", 0),
+                    "rounds_applied": info.get("rounds_applied", 0),
+                    "peer_id": info.get("peer_id", ""),
+                }
+            )
+    # the rounds still in flight finish (bounded) so the last results are merged
+    for p in list(apply_at):
+        got = bridge.wait(p, manifest.timeouts.apply_wait_s)
+        if got is not None:
+            take(got, late=False)
+    wall = time.perf_counter() - t0
+    bridge.refresh(1.5)
+    eval_loss: float | None = None
+    if cfg.eval_batches:
+        val = rep.batcher.val_batches(cfg.eval_batches, 16)
+        eval_loss = evaluate(rep.model, val, rep.device)
+    done = step - start
+    peers = int(info.get("peers_seen", 0))
+    window = losses[-cfg.log_every :] or [float("nan")]
+    return NodeSummary(
+        peer_id=str(info.get("peer_id", "")),
+        run_id=run_id,
+        start_step=start,
+        steps=done,
+        final_step=step,
+        first_loss=first_loss,
+        last_loss=sum(window) / len(window),
+        eval_loss=eval_loss,
+        tokens=tokens,
+        wall_s=wall,
+        compute_s=rep.timer.compute_s,
+        net_wait_s=bridge.stats.wait_s,
+        bytes_up=int(info.get("bytes_up", 0)),
+        bytes_down=int(info.get("bytes_down", 0)),
+        ddp_bytes=allreduce_bytes_per_peer(4 * n_params, max(2, 1 + peers)) * done,
+        rounds_applied=int(info.get("rounds_applied", 0)),
+        rounds_failed=int(info.get("rounds_failed", 0)),
+        rounds_alone=int(info.get("rounds_alone", 0)),
+        rebases=int(info.get("rebases", 0)),
+        waits_run_out=wait_runs_out,
+        stopped_by=stop.by or "steps",
+        global_digest=_digest(shared),
+        info=dict(info),
+    )
+
+
+class ProgressPrinter:
+    """The live status line of ``atoll node`` (stderr), or JSON lines (stdout)."""
+
+    def __init__(self, mode: str, stream: TextIO | None = None) -> None:
+        self.mode = mode
+        self.stream = stream or (sys.stdout if mode == "jsonl" else sys.stderr)
+
+    def __call__(self, p: dict[str, Any]) -> None:
+        if self.mode == "none":
+            return
+        if self.mode == "jsonl":
+            self.stream.write(json.dumps({"progress": p}) + "\n")
+            self.stream.flush()
+            return
+        syncs = " ".join(f"{k}:{v}" for k, v in sorted(p["last_sync"].items())) or "-"
+        self.stream.write(
+            f"step {p['step']:>6}/{p['end']}  loss {p['loss']:.4f}  "
+            f"{p['tokens_per_s'] / 1e3:6.1f} ktok/s  peers {p['peers']}  "
+            f"up {p['bytes_up'] / 1e6:7.2f} MB  down {p['bytes_down'] / 1e6:7.2f} MB  "
+            f"net wait {p['net_wait_s']:5.1f} s  syncs [{syncs}]\n"
+        )
+        self.stream.flush()

@@ -1,0 +1,469 @@
+"""Driving the sans-IO round machines over a live :class:`~atoll.node.net.host.AtollHost`.
+
+The protocol machines (:class:`~atoll.protocol.matchmaking.Matchmaker`,
+:class:`~atoll.protocol.allreduce.AllReduceRound`) take events and return actions; this
+module feeds them from the network and carries their actions out, in the trio loop of the
+network process:
+
+- :class:`Mailbox` reads the host's single inbox and routes each message to the round it
+  belongs to, by key. Messages whose ``sender`` field is not the authenticated peer are
+  dropped (the machines trust that field). Messages for a round this node has not opened
+  yet (a peer formed its group a moment earlier) are held, bounded in count and bytes,
+  for :attr:`Mailbox.hold_s`; messages for a round that just closed are dropped.
+- :func:`run_matchmaking`: publish the declaration in the DHT, poll the DHT view of the
+  slot, and run the Matchmaker until it is Formed or Alone.
+- :func:`run_allreduce`: run one AllReduceRound; sends to different peers go out in
+  parallel (each peer's own stream), a failed send is that peer lost. Returns Done or
+  Failed, never hangs: the round's own deadlines bound it, and the sends still going
+  when it ends get at most ``linger_s`` more.
+- :func:`fetch_state`: ask a peer for a fragment's state and reassemble its chunks
+  (:mod:`atoll.protocol.statesync`), bounded by a timeout.
+
+Every wait here has a deadline; nothing raises out of a round for a peer's failure: the
+machines turn it into Alone or Failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from atoll.dht.kad import AtollDHT
+from atoll.dht.records import ReadyRecord
+from atoll.node.net.host import AtollHost
+from atoll.protocol import allreduce as ar
+from atoll.protocol import matchmaking as mm
+from atoll.protocol import statesync as ss
+from atoll.protocol.errors import AtollError, CodecError, ExchangeTimeout
+from atoll.protocol.manifest import GroupSettings
+
+__all__ = [
+    "Mailbox",
+    "RoundTraffic",
+    "fetch_state",
+    "key_of",
+    "run_allreduce",
+    "run_matchmaking",
+]
+
+logger = logging.getLogger(__name__)
+
+Key = Hashable
+Event = tuple[str, Any]  # ("msg", message) or ("lost", peer) or ("view", declarations)
+
+
+def key_of(msg: object) -> Key | None:
+    """The routing key of a round message, or None for a message no round takes."""
+    if isinstance(msg, ar.Part | ar.Reduced | ar.Abort):
+        return ("ar", msg.run_id, msg.fragment, msg.round)
+    if isinstance(msg, mm.JoinRequest | mm.JoinAccept | mm.Redirect | mm.GroupFormed | mm.Disband):
+        return ("mm", msg.run_id, msg.fragment, msg.slot)
+    if isinstance(msg, ss.StateChunk):
+        return ("state", msg.run_id, msg.fragment, msg.sender)
+    return None
+
+
+def _size(msg: object) -> int:
+    payload = getattr(msg, "payload", b"")
+    return 256 + (len(payload) if isinstance(payload, bytes) else 0)
+
+
+@dataclass(slots=True)
+class _Held:
+    since: float
+    items: deque[tuple[str, object]] = field(default_factory=deque)
+    nbytes: int = 0
+
+
+class Mailbox:
+    """Routes the host's incoming messages to the open rounds (see the module docstring).
+
+    ``on_request`` handles messages no round takes (a :class:`~atoll.protocol.statesync.
+    StateRequest`, say); it runs in its own task per message. Run :meth:`run` in a task.
+    """
+
+    def __init__(
+        self,
+        host: AtollHost,
+        *,
+        on_request: Callable[[str, object], Awaitable[None]] | None = None,
+        hold_s: float = 30.0,
+        hold_bytes: int = 512 * 1024 * 1024,
+        hold_messages: int = 4096,
+        closed_s: float = 2.0,
+    ) -> None:
+        self.host = host
+        self.hold_s = hold_s
+        self._on_request = on_request
+        self._hold_bytes = hold_bytes
+        self._hold_messages = hold_messages
+        self._closed_s = closed_s
+        self._open: dict[Key, trio.MemorySendChannel[Event]] = {}
+        self._held: dict[Key, _Held] = {}
+        self._closed: dict[Key, float] = {}
+        self._held_bytes = 0
+        self._held_count = 0
+        self.dropped = 0
+
+    def open(self, key: Key, channel: trio.MemorySendChannel[Event]) -> None:
+        """Deliver the messages of ``key`` to ``channel`` from now on (held ones first)."""
+        self._closed.pop(key, None)
+        self._open[key] = channel
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._held_bytes -= held.nbytes
+            self._held_count -= len(held.items)
+            for sender, msg in held.items:
+                self._deliver(key, channel, sender, msg)
+
+    def close(self, key: Key) -> None:
+        """Stop delivering ``key``; its late messages are dropped for ``closed_s``."""
+        self._open.pop(key, None)
+        self._closed[key] = trio.current_time() + self._closed_s
+
+    async def run(self) -> None:
+        """Route messages until the host closes; never raises for what a peer sends."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    sender, msg = await self.host.receive()
+                except (trio.ClosedResourceError, trio.EndOfChannel):
+                    return
+                self.route(sender, msg, nursery)
+
+    def route(self, sender: str, msg: object, nursery: trio.Nursery) -> None:
+        """Route one message that ``sender`` (the authenticated peer) sent."""
+        claimed = getattr(msg, "sender", sender)
+        if claimed != sender:
+            logger.warning(
+                "peer %s sent a %s claiming to be from %s: dropped",
+                sender,
+                type(msg).__name__,
+                claimed,
+            )
+            self.dropped += 1
+            return
+        key = key_of(msg)
+        if key is None:
+            if self._on_request is not None:
+                nursery.start_soon(self._on_request, sender, msg)
+            return
+        now = trio.current_time()
+        self._expire(now)
+        channel = self._open.get(key)
+        if channel is not None:
+            self._deliver(key, channel, sender, msg)
+            return
+        if key in self._closed:
+            self.dropped += 1
+            return
+        size = _size(msg)
+        if self._held_bytes + size > self._hold_bytes or self._held_count >= self._hold_messages:
+            logger.info("no room to hold a %s from %s: dropped", type(msg).__name__, sender)
+            self.dropped += 1
+            return
+        held = self._held.setdefault(key, _Held(now))
+        held.items.append((sender, msg))
+        held.nbytes += size
+        self._held_bytes += size
+        self._held_count += 1
+
+    def _deliver(
+        self, key: Key, channel: trio.MemorySendChannel[Event], sender: str, msg: object
+    ) -> None:
+        try:
+            channel.send_nowait(("msg", msg))
+        except trio.WouldBlock:
+            logger.info("round %s is not reading; dropped a %s from %s", key, type(msg), sender)
+            self.dropped += 1
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self._open.pop(key, None)
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, h in self._held.items() if now - h.since > self.hold_s]:
+            held = self._held.pop(key)
+            self._held_bytes -= held.nbytes
+            self._held_count -= len(held.items)
+            self.dropped += len(held.items)
+        for key in [k for k, t in self._closed.items() if now >= t]:
+            del self._closed[key]
+
+
+@dataclass(slots=True)
+class RoundTraffic:
+    """What one round moved: wall time and payload bytes (the machine's own counts)."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    members: tuple[str, ...] = ()
+
+
+class _Runner:
+    """Carries out Send actions in parallel tasks; a failed send reports the peer lost."""
+
+    def __init__(
+        self, host: AtollHost, nursery: trio.Nursery, events: trio.MemorySendChannel[Event]
+    ) -> None:
+        self.host = host
+        self.nursery = nursery
+        self.events = events
+        self.pending = 0
+        self.idle = trio.Event()
+        self.idle.set()
+
+    def send(self, to: str, msg: object) -> None:
+        self.pending += 1
+        self.idle = trio.Event() if self.pending == 1 else self.idle
+        self.nursery.start_soon(self._send, to, msg)
+
+    async def _send(self, to: str, msg: object) -> None:
+        try:
+            await self.host.send(to, msg)
+        except AtollError as e:
+            logger.info("sending %s to %s failed: %s", type(msg).__name__, to, e)
+            with contextlib.suppress(
+                trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError
+            ):
+                self.events.send_nowait(("lost", to))
+        finally:
+            self.pending -= 1
+            if self.pending == 0:
+                self.idle.set()
+
+
+async def _next_event(
+    events: trio.MemoryReceiveChannel[Event], deadline: float | None
+) -> Event | None:
+    """The next event, or None when ``deadline`` (trio clock) passes first."""
+    if deadline is None:
+        return await events.receive()
+    with trio.move_on_at(deadline):
+        return await events.receive()
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# matchmaking
+# --------------------------------------------------------------------------------------
+async def run_matchmaking(
+    host: AtollHost,
+    mailbox: Mailbox,
+    dht: AtollDHT,
+    me: mm.Declaration,
+    settings: GroupSettings,
+    *,
+    timeout_s: float,
+    ttl_s: float,
+    wall: Callable[[], float],
+    poll_s: float = 0.5,
+    view: Callable[[list[mm.Declaration]], None] | None = None,
+) -> mm.Formed | mm.Alone:
+    """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
+
+    ``view`` is called with every DHT view of the slot (all declarations, compatible or
+    not: the caller learns from them which states the swarm holds). ``ttl_s`` is the
+    lifetime of the published ready record; ``wall`` the clock records are stamped with.
+    """
+    key = ("mm", me.run_id, me.fragment, me.slot)
+    send_ch, events = trio.open_memory_channel[Event](1024)
+    now = trio.current_time()
+    machine = mm.Matchmaker(me, settings, now=now, timeout=timeout_s)
+    outcome: mm.Formed | mm.Alone | None = None
+    mailbox.open(key, send_ch)
+    try:
+        async with trio.open_nursery() as nursery:
+            runner = _Runner(host, nursery, send_ch)
+
+            async def announce() -> None:
+                issued = wall()
+                record = ReadyRecord.from_declaration(
+                    me, issued_at=issued, expires_at=issued + ttl_s
+                )
+                try:
+                    await dht.announce_ready(record)
+                except AtollError as e:
+                    logger.info("announcing ready for fragment %d failed: %s", me.fragment, e)
+
+            async def poll() -> None:
+                while True:
+                    try:
+                        records = await dht.find_ready(me.fragment, me.slot)
+                        decls = [r.to_declaration() for r in records]
+                        send_ch.send_nowait(("view", decls))
+                    except AtollError as e:
+                        logger.debug("find_ready fragment %d failed: %s", me.fragment, e)
+                    except trio.WouldBlock:
+                        pass
+                    await trio.sleep(poll_s)
+
+            nursery.start_soon(announce)
+            nursery.start_soon(poll)
+            actions = machine.tick(trio.current_time())
+            while True:
+                for action in actions:
+                    if isinstance(action, mm.Send):
+                        runner.send(action.to, action.message)
+                    else:
+                        outcome = action
+                if outcome is not None:
+                    break
+                event = await _next_event(events, machine.next_deadline)
+                now = trio.current_time()
+                if event is None:
+                    actions = machine.tick(now)
+                elif event[0] == "msg":
+                    actions = machine.receive(event[1], now=now)
+                elif event[0] == "lost":
+                    actions = machine.peer_lost(event[1], now=now)
+                else:
+                    if view is not None:
+                        view(event[1])
+                    actions = machine.observe(event[1], now=now)
+            # the last messages (GroupFormed to the members, a Disband) must still go out
+            with trio.move_on_after(min(5.0, timeout_s)):
+                await runner.idle.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        mailbox.close(key)
+    return outcome
+
+
+# --------------------------------------------------------------------------------------
+# all-reduce
+# --------------------------------------------------------------------------------------
+async def run_allreduce(
+    host: AtollHost,
+    mailbox: Mailbox,
+    spec: ar.RoundSpec,
+    payload: bytes,
+    weight: float,
+    *,
+    phase_timeout_s: float,
+    round_timeout_s: float,
+    validator: ar.Validator | None = None,
+    linger_s: float = 10.0,
+    traffic: RoundTraffic | None = None,
+) -> ar.Done | ar.Failed:
+    """Run this node's side of one all-reduce round; Done or Failed, within the timeouts."""
+    me = host.peer_id
+    key = ("ar", spec.key.run_id, spec.key.fragment, spec.key.round)
+    send_ch, events = trio.open_memory_channel[Event](4 * len(spec.members) + 16)
+    start = trio.current_time()
+    try:
+        machine = ar.AllReduceRound(
+            spec,
+            me,
+            payload,
+            weight,
+            now=start,
+            phase_timeout=phase_timeout_s,
+            round_timeout=round_timeout_s,
+            validator=validator,
+        )
+    except (AtollError, ValueError) as e:
+        return ar.Failed(f"cannot start the round: {e}")
+    outcome: ar.Done | ar.Failed | None = None
+    mailbox.open(key, send_ch)
+    try:
+        async with trio.open_nursery() as nursery:
+            runner = _Runner(host, nursery, send_ch)
+            actions = machine.start()
+            while True:
+                for action in actions:
+                    if isinstance(action, ar.Send):
+                        runner.send(action.to, action.message)
+                    else:
+                        outcome = action
+                if outcome is not None:
+                    break
+                event = await _next_event(events, machine.next_deadline)
+                now = trio.current_time()
+                if event is None:
+                    actions = machine.tick(now)
+                elif event[0] == "msg":
+                    actions = machine.receive(event[1], now=now)
+                else:
+                    actions = machine.peer_lost(event[1], now=now)
+            # our reduced chunk (or our Abort) is still on its way to the others
+            with trio.move_on_after(linger_s):
+                await runner.idle.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        mailbox.close(key)
+        if traffic is not None:
+            traffic.seconds = trio.current_time() - start
+            traffic.bytes_sent = machine.bytes_sent
+            traffic.bytes_received = machine.bytes_received
+            traffic.members = spec.members
+    return outcome
+
+
+# --------------------------------------------------------------------------------------
+# state transfer
+# --------------------------------------------------------------------------------------
+async def fetch_state(
+    host: AtollHost,
+    mailbox: Mailbox,
+    peer: str,
+    run_id: str,
+    fragment: int,
+    numel: int,
+    *,
+    timeout_s: float,
+) -> ss.FragmentState:
+    """Ask ``peer`` for its state of ``fragment`` and return it, checked.
+
+    Raises :class:`~atoll.protocol.errors.ExchangeTimeout` when it does not arrive within
+    ``timeout_s``, :class:`~atoll.protocol.errors.CodecError` when what arrives is not a
+    sound state (:class:`~atoll.protocol.statesync.StateAssembler`), and the host's errors
+    when the peer cannot be reached.
+    """
+    key = ("state", run_id, fragment, peer)
+    send_ch, events = trio.open_memory_channel[Event](math.ceil(numel * 8 / ss.CHUNK_BYTES) + 8)
+    assembler = ss.StateAssembler(numel)
+    mailbox.open(key, send_ch)
+    try:
+        with trio.move_on_after(timeout_s):
+            await host.send(peer, ss.StateRequest(host.peer_id, run_id, fragment))
+            while True:
+                kind, msg = await events.receive()
+                if kind == "msg" and isinstance(msg, ss.StateChunk):
+                    state = assembler.feed(msg)
+                    if state is not None:
+                        return state
+    finally:
+        mailbox.close(key)
+    raise ExchangeTimeout(f"the state of fragment {fragment} from {peer} took over {timeout_s} s")
+
+
+async def serve_state(
+    host: AtollHost,
+    peer: str,
+    request: ss.StateRequest,
+    state: ss.FragmentState | None,
+    reason: str = "",
+) -> None:
+    """Answer ``request`` with ``state`` (None: a refusal with ``reason``); errors logged."""
+    try:
+        if state is None:
+            await host.send(
+                peer,
+                ss.StateChunk(
+                    host.peer_id, request.run_id, request.fragment, 0, "", 0, 0, b"", reason
+                ),
+            )
+            return
+        for chunk in ss.chunks_of(
+            state, sender=host.peer_id, run_id=request.run_id, fragment=request.fragment
+        ):
+            await host.send(peer, chunk)
+    except (AtollError, CodecError) as e:
+        logger.info("serving fragment %d to %s failed: %s", request.fragment, peer, e)

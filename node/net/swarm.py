@@ -1,0 +1,536 @@
+"""The swarm worker: the network process of a node that trains with other peers.
+
+:func:`swarm_worker` plugs into :class:`~atoll.node.net.bridge.NetworkBridge` like the
+loopback worker, but its exchange is the swarm. It runs, in one trio loop:
+
+- one libp2p host (:func:`~atoll.node.net.host.open_host`, Noise and yamux only) and
+  atoll's Kademlia DHT on it (:class:`~atoll.dht.kad.AtollDHT`), joined through the
+  ``--join`` addresses with retries and backoff (:func:`join_swarm` says why a join
+  failed: unreachable, another run, another protocol version);
+- the :class:`~atoll.protocol.engine.OuterEngine` over the fragments in shared memory;
+- a :class:`~atoll.node.net.rounds.Mailbox` routing peers' messages to the rounds,
+  and a state server answering :class:`~atoll.protocol.statesync.StateRequest`;
+- a publisher of this peer's :class:`~atoll.dht.records.PeerRecord` (addresses,
+  versions and digests per fragment, tokens/s), refreshed before it expires;
+- status for the trainer's display, every second (:func:`~atoll.node.net.bridge.post_info`).
+
+One sync of fragment ``p`` started at inner step ``t`` (the handler):
+
+1. the engine encodes Δp against the global copy (version ``v``, digest ``d``);
+2. matchmaking for slot ``t // H`` (:func:`~atoll.node.net.rounds.run_matchmaking`):
+   a ready record in the DHT, a group among peers of equal ``(v, d)``, or Alone;
+3. a formed group runs the all-reduce (:func:`~atoll.node.net.rounds.run_allreduce`)
+   under the key ``(run, p, slot)``, so that two syncs of one version never share a key;
+   Done is delivered to the engine and the new global copy written to shared memory;
+   Alone or Failed skips the round (nothing applied);
+4. if the DHT view of the slot shows that the swarm's leading state of ``p``
+   (:func:`~atoll.protocol.statesync.leading_state`) is not this peer's, the peer rebases:
+   it fetches that state from a peer that holds it and the outcome carries the new
+   global copy (``applied=True``, reason ``rebased ...``), merged by the trainer.
+
+At start, before reporting ready, a peer catches up: it reads the peers' records and
+rebases every fragment whose leading state is not its own, and tells the trainer the
+inner step to start from (``start_step`` in the bridge's ``info``), so that a late
+joiner's slots line up with the swarm's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import trio
+
+from atoll.dht.kad import AtollDHT
+from atoll.dht.records import PeerRecord
+from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
+from atoll.node.net.bridge import SharedFragments, SyncOutcome, post_info, serve
+from atoll.node.net.host import (
+    AGENT,
+    AtollHost,
+    HostConfig,
+    VersionMismatch,
+    WrongRun,
+    open_host,
+)
+from atoll.node.net.rounds import (
+    Mailbox,
+    RoundTraffic,
+    fetch_state,
+    run_allreduce,
+    run_matchmaking,
+    serve_state,
+)
+from atoll.protocol import allreduce as ar
+from atoll.protocol import matchmaking as mm
+from atoll.protocol import statesync as ss
+from atoll.protocol.engine import OuterEngine
+from atoll.protocol.errors import AtollError, ConfigError, PeerUnavailable
+from atoll.protocol.manifest import RunManifest
+from atoll.protocol.schedule import Schedule
+from atoll.security.identity import load_or_create
+
+__all__ = ["JoinFailed", "SwarmStats", "join_swarm", "swarm_worker"]
+
+logger = logging.getLogger(__name__)
+
+_RECORD_TTL_S = 120.0  # lifetime of a published peer record; refreshed at a third of it
+_READY_TTL_S = 120.0
+_INFO_EVERY_S = 1.0
+
+
+class JoinFailed(PeerUnavailable):
+    """No ``--join`` address let this node into the swarm; the message says why, per address."""
+
+
+class _SystemClock:
+    def wall(self) -> float:
+        return time.time()
+
+
+@dataclass(slots=True)
+class SwarmStats:
+    """Counters of the network process, sent to the trainer as ``info``."""
+
+    rounds_applied: int = 0
+    rounds_failed: int = 0
+    rounds_alone: int = 0
+    rebases: int = 0
+    last_sync: dict[int, str] = field(default_factory=dict)
+    round_s: list[float] = field(default_factory=list)
+    round_bytes: list[int] = field(default_factory=list)
+    group_sizes: list[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------
+# joining
+# --------------------------------------------------------------------------------------
+async def join_swarm(
+    host: AtollHost,
+    dht: AtollDHT,
+    addrs: Sequence[str],
+    *,
+    timeout_s: float,
+    dial_s: float,
+) -> int:
+    """Join the DHT through ``addrs``, retrying with backoff for up to ``timeout_s``.
+
+    Returns how many addresses answered. Raises :class:`JoinFailed` naming, per address,
+    why it did not let this node in, when none did in time; ConfigError at once when
+    every address is a peer of another run or another protocol version (retrying cannot
+    help).
+    """
+    if not addrs:
+        return 0
+    deadline = trio.current_time() + timeout_s
+    delay = 1.0
+    reasons: dict[str, str] = {}
+    while True:
+        joined = 0
+        fatal = 0
+        for addr in addrs:
+            ok = await dht.bootstrap([addr]) > 0
+            reason = await _probe(host, addr, dial_s)
+            if reason is not None and reason.startswith("fatal:"):
+                fatal += 1
+                reasons[addr] = reason.removeprefix("fatal:")
+                continue
+            if ok:
+                joined += 1
+                reasons.pop(addr, None)
+            else:
+                reasons[addr] = reason or "did not answer as a DHT peer"
+        if joined:
+            return joined
+        detail = "; ".join(f"{a}: {r}" for a, r in reasons.items())
+        if fatal == len(addrs):
+            raise ConfigError(f"cannot join the swarm: {detail}")
+        left = deadline - trio.current_time()
+        if left <= 0:
+            raise JoinFailed(f"cannot join the swarm within {timeout_s:.0f} s: {detail}")
+        logger.warning("joining failed (%s); retrying in %.0f s", detail, min(delay, left))
+        await trio.sleep(min(delay, left))
+        delay = min(delay * 2, 30.0)
+
+
+async def _probe(host: AtollHost, addr: str, dial_s: float) -> str | None:
+    """Why ``addr`` cannot be this run's peer ("fatal:" first when retrying is useless),
+    or None when it can (a node of this run, or a bootstrap peer)."""
+    with trio.move_on_after(dial_s + 5):
+        try:
+            await host.connect(addr)
+            return None
+        except WrongRun:
+            return "fatal:that peer trains another run (its manifest differs from this one's)"
+        except VersionMismatch as e:
+            if any(p.endswith("/msg") for p in e.offered):
+                return f"fatal:that peer speaks another atoll protocol version ({e})"
+            if e.offered:
+                return None  # a bootstrap peer: atoll's DHT only, no message protocol
+            return "it serves no atoll protocol (not an atoll peer, or another version)"
+        except ConfigError as e:
+            return f"fatal:{e}"
+        except PeerUnavailable as e:
+            return f"unreachable ({e})"
+        except AtollError as e:
+            return str(e)
+    return f"unreachable (no answer within {dial_s + 5:.0f} s)"
+
+
+# --------------------------------------------------------------------------------------
+# the worker
+# --------------------------------------------------------------------------------------
+class _Swarm:
+    """The state of one node's network process (see the module docstring)."""
+
+    def __init__(
+        self,
+        shared: SharedFragments,
+        outbox: Connection,
+        manifest: RunManifest,
+        host: AtollHost,
+        dht: AtollDHT,
+        engine: OuterEngine,
+        poll_s: float,
+    ) -> None:
+        self.shared = shared
+        self.outbox = outbox
+        self.manifest = manifest
+        self.run_id = manifest.run_id()
+        self.host = host
+        self.dht = dht
+        self.engine = engine
+        self.poll_s = poll_s
+        self.lock = trio.Lock()  # one engine call at a time
+        self.stats = SwarmStats()
+        self.mailbox = Mailbox(host, on_request=self.on_request, hold_s=manifest.timeouts.round_s)
+        self.seen_tokens = 0
+        self.step = 0
+        self.tokens_per_s = 0.0
+        self._rate_mark = (time.monotonic(), 0)
+        self.peers_seen: set[str] = set()
+
+    # -- state server ------------------------------------------------------------------
+    async def on_request(self, sender: str, msg: object) -> None:
+        if not isinstance(msg, ss.StateRequest):
+            logger.info("peer %s sent an unexpected %s", sender, type(msg).__name__)
+            return
+        if msg.run_id != self.run_id or not 0 <= msg.fragment < len(self.shared):
+            await serve_state(self.host, sender, msg, None, "no such run or fragment")
+            return
+        async with self.lock:
+            state = await trio.to_thread.run_sync(
+                self.engine.export_fragment, msg.fragment, self.step
+            )
+        await serve_state(self.host, sender, msg, state)
+
+    async def rebase(self, p: int, holders: Sequence[str], target: tuple[int, str]) -> int | None:
+        """Copy fragment ``p``'s ``target`` state from one of ``holders``; its step or None."""
+        numel = self.shared.sizes[p]
+        for peer in holders:
+            try:
+                state = await fetch_state(
+                    self.host,
+                    self.mailbox,
+                    peer,
+                    self.run_id,
+                    p,
+                    numel,
+                    timeout_s=self.manifest.timeouts.round_s,
+                )
+            except AtollError as e:
+                logger.info("fetching fragment %d from %s failed: %s", p, peer, e)
+                continue
+            if state.version < target[0]:
+                logger.info("peer %s served fragment %d at an older version", peer, p)
+                continue
+            async with self.lock:
+                self.engine.import_fragment(p, state)
+                self.shared.global_(p)[:] = self.engine.global_params(p)
+            self.stats.rebases += 1
+            logger.info(
+                "fragment %d rebased to version %d (%s) from %s",
+                p,
+                state.version,
+                state.digest(),
+                peer,
+            )
+            return state.step
+        return None
+
+    async def catch_up(self) -> int:
+        """Rebase every fragment that the peers' records show behind; the step to start at."""
+        try:
+            records = await self.dht.find_peers()
+        except AtollError as e:
+            logger.info("no peer records yet (%s): starting from the manifest's seed", e)
+            return 0
+        records = [r for r in records if r.peer_id != self.host.peer_id]
+        self.peers_seen.update(r.peer_id for r in records)
+        start = 0
+        for p in range(len(self.shared)):
+            holdings = [
+                (r.peer_id, r.versions[p], r.digests[p])
+                for r in records
+                if len(r.versions) > p and len(r.digests) > p and r.digests[p]
+            ]
+            mine = (self.engine.version(p), self.engine.digest(p))
+            if not ss.should_rebase(self.host.peer_id, mine, holdings):
+                continue
+            target = ss.leading_state([*holdings, (self.host.peer_id, *mine)])
+            assert target is not None
+            holders = [peer for peer, v, d in holdings if (v, d) == target]
+            step = await self.rebase(p, holders, target)
+            if step is not None:
+                start = max(start, step)
+        return start
+
+    # -- one sync -------------------------------------------------------------------------
+    async def handle(self, p: int, step: int, tokens: int) -> SyncOutcome:
+        manifest = self.manifest
+        self.step = max(self.step, step)
+        async with self.lock:
+            if tokens > self.seen_tokens:
+                self.engine.add_tokens(tokens - self.seen_tokens)
+                self.seen_tokens = tokens
+            request = await trio.to_thread.run_sync(
+                self.engine.begin, p, self.shared.local(p), step
+            )
+            digest = await trio.to_thread.run_sync(self.engine.digest, p)
+        slot = step // manifest.H
+        me = mm.Declaration(
+            self.run_id,
+            p,
+            slot,
+            self.host.peer_id,
+            request.round,
+            digest,
+            request.weight,
+            time.time(),
+        )
+        views: dict[str, tuple[int, str]] = {}
+
+        def on_view(decls: list[mm.Declaration]) -> None:
+            for d in decls:
+                if d.peer_id != self.host.peer_id:
+                    views[d.peer_id] = (d.version, d.digest)
+                    self.peers_seen.add(d.peer_id)
+
+        outcome: SyncOutcome
+        try:
+            found = await run_matchmaking(
+                self.host,
+                self.mailbox,
+                self.dht,
+                me,
+                manifest.group,
+                timeout_s=manifest.timeouts.matchmaking_s,
+                ttl_s=_READY_TTL_S,
+                wall=time.time,
+                poll_s=self.poll_s,
+                view=on_view,
+            )
+            if isinstance(found, mm.Alone):
+                self.stats.rounds_alone += 1
+                outcome = await self._skip(p, step, request.round, f"alone: {found.reason}")
+            else:
+                outcome = await self._all_reduce(p, step, request, slot, found.members)
+        except BaseException:
+            self.engine.skip(p, "cancelled")
+            raise
+        holdings = [(peer, v, d) for peer, (v, d) in views.items()]
+        logger.info(
+            "fragment %d slot %d: %s; the slot's declarations: %s",
+            p,
+            slot,
+            outcome.reason or "applied",
+            ", ".join(f"{peer[-6:]} v{v} {d[:6]}" for peer, v, d in holdings) or "none",
+        )
+        mine = (self.engine.version(p), await trio.to_thread.run_sync(self.engine.digest, p))
+        if ss.should_rebase(self.host.peer_id, mine, holdings):
+            target = ss.leading_state([*holdings, (self.host.peer_id, *mine)])
+            assert target is not None
+            holders = [peer for peer, v, d in holdings if (v, d) == target]
+            if await self.rebase(p, holders, target) is not None:
+                version = self.engine.version(p)
+                self.stats.last_sync[p] = f"rebased v{version}"
+                return SyncOutcome(p, step, True, request.round, f"rebased to version {version}")
+        return outcome
+
+    async def _skip(self, p: int, step: int, round_: int, reason: str) -> SyncOutcome:
+        async with self.lock:
+            self.engine.skip(p, reason)
+        self.stats.last_sync[p] = reason.split(":")[0]
+        return SyncOutcome(p, step, False, round_, reason)
+
+    async def _all_reduce(
+        self, p: int, step: int, request: Any, slot: int, members: tuple[str, ...]
+    ) -> SyncOutcome:
+        manifest = self.manifest
+        spec = ar.RoundSpec(
+            ar.RoundKey(self.run_id, p, slot),
+            members,
+            request.numel,
+            manifest.codec,
+            manifest.codec_block,
+        )
+        traffic = RoundTraffic()
+        result = await run_allreduce(
+            self.host,
+            self.mailbox,
+            spec,
+            request.payload,
+            request.weight,
+            phase_timeout_s=manifest.timeouts.part_s,
+            round_timeout_s=manifest.timeouts.round_s,
+            traffic=traffic,
+        )
+        self.stats.round_s.append(round(traffic.seconds, 3))
+        self.stats.round_bytes.append(traffic.bytes_sent)
+        self.stats.group_sizes.append(len(members))
+        if isinstance(result, ar.Failed):
+            self.stats.rounds_failed += 1
+            return await self._skip(p, step, request.round, f"failed: {result.reason}")
+        async with self.lock:
+            try:
+                await trio.to_thread.run_sync(
+                    self.engine.deliver, p, result.averaged, request.round
+                )
+            except AtollError as e:
+                self.stats.rounds_failed += 1
+                self.engine.skip(p, str(e))
+                return SyncOutcome(p, step, False, request.round, f"failed: {e}")
+            self.shared.global_(p)[:] = self.engine.global_params(p)
+        self.stats.rounds_applied += 1
+        self.stats.last_sync[p] = f"v{self.engine.version(p)} x{len(members)}"
+        return SyncOutcome(p, step, True, request.round)
+
+    # -- background ---------------------------------------------------------------------
+    def peer_record(self) -> PeerRecord:
+        now = time.time()
+        return PeerRecord(
+            self.host.peer_id,
+            self.run_id,
+            tuple(a.rsplit("/p2p/", 1)[0] for a in self.host.addrs)[:8],
+            AGENT,
+            float(self.tokens_per_s),
+            tuple(self.engine.version(p) for p in range(len(self.shared))),
+            tuple(self.engine.digest(p) for p in range(len(self.shared))),
+            True,
+            now,
+            now + _RECORD_TTL_S,
+        )
+
+    async def publish(self) -> None:
+        while True:
+            async with self.lock:
+                record = await trio.to_thread.run_sync(self.peer_record)
+            try:
+                await self.dht.announce_peer(record)
+            except AtollError as e:
+                logger.info("publishing the peer record failed: %s", e)
+            await trio.sleep(_RECORD_TTL_S / 3)
+
+    def info(self) -> dict[str, Any]:
+        now = time.monotonic()
+        t0, tok0 = self._rate_mark
+        if now - t0 >= 5.0:
+            self.tokens_per_s = (self.seen_tokens - tok0) / (now - t0)
+            self._rate_mark = (now, self.seen_tokens)
+        s = self.stats
+        return {
+            "peer_id": self.host.peer_id,
+            "peers_seen": len(self.peers_seen),
+            "dht_peers": len(self.dht.routing_table_peers()),
+            "bytes_up": sum(self.host.bytes_sent.values()),
+            "bytes_down": sum(self.host.bytes_received.values()),
+            "rounds_applied": s.rounds_applied,
+            "rounds_failed": s.rounds_failed,
+            "rounds_alone": s.rounds_alone,
+            "rebases": s.rebases,
+            "last_sync": {str(k): v for k, v in s.last_sync.items()},
+            "round_s": s.round_s[-50:],
+            "round_bytes": s.round_bytes[-50:],
+            "group_sizes": s.group_sizes[-50:],
+            "versions": [self.engine.version(p) for p in range(len(self.shared))],
+        }
+
+    async def report(self) -> None:
+        while True:
+            post_info(self.outbox, self.info())
+            await trio.sleep(_INFO_EVERY_S)
+
+
+async def swarm_worker(
+    shared: SharedFragments,
+    inbox: Connection,
+    outbox: Connection,
+    *,
+    manifest: RunManifest,
+    identity_file: str,
+    join: Sequence[str] = (),
+    listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    join_timeout_s: float = 60.0,
+    dht_timeout_s: float = 10.0,
+    poll_s: float = 0.5,
+    seed: int = 0,
+) -> None:
+    """The network process of a swarm node (see the module docstring).
+
+    ``shared`` holds the initial global copies (written by the trainer). Before reporting
+    ready it joins the swarm and catches up; ``info`` then carries ``start_step``,
+    ``peer_id`` and ``addrs``.
+    """
+    if manifest.aggregation != "mean":
+        raise ConfigError(
+            f"aggregation {manifest.aggregation!r} runs in the simulator only; the swarm "
+            "averages with 'mean'"
+        )
+    identity = load_or_create(identity_file)
+    config = manifest.engine_config()
+    engine = OuterEngine(
+        config,
+        Schedule(config.H, len(shared)),
+        [shared.global_(p).copy() for p in range(len(shared))],
+        seed=seed,
+    )
+    run_id = manifest.run_id()
+    host_config = HostConfig(listen=tuple(listen), dial_timeout_s=manifest.timeouts.dial_s)
+    async with (
+        open_host(identity, run_id, host_config) as host,
+        AtollDHT.start(
+            host.libp2p_host,
+            run_id=run_id,
+            verifier=EnvelopeVerifier(),
+            signer=EnvelopeSigner(identity),
+            clock=_SystemClock(),
+            timeout_s=dht_timeout_s,
+        ) as dht,
+        trio.open_nursery() as nursery,
+    ):
+        swarm = _Swarm(shared, outbox, manifest, host, dht, engine, poll_s)
+        nursery.start_soon(swarm.mailbox.run)
+        joined = await join_swarm(
+            host, dht, join, timeout_s=join_timeout_s, dial_s=manifest.timeouts.dial_s
+        )
+        start_step = await swarm.catch_up() if joined else 0
+        swarm.step = start_step
+        post_info(
+            outbox,
+            {
+                "start_step": start_step,
+                "peer_id": host.peer_id,
+                "addrs": host.addrs,
+                "run_id": run_id,
+                "joined": joined,
+            },
+        )
+        nursery.start_soon(swarm.publish)
+        nursery.start_soon(swarm.report)
+        await serve(inbox, outbox, swarm.handle)
+        post_info(outbox, swarm.info())
+        nursery.cancel_scope.cancel()

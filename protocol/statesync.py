@@ -1,0 +1,255 @@
+"""Fragment state transfer: how a peer whose global copy fell behind catches up.
+
+Streaming DiLoCo (arXiv 2501.18512) keeps, per fragment, a global copy and an outer
+optimizer state that every peer must hold identically, or their averages drift apart. In a
+swarm a peer misses rounds (it was alone, its round rolled back, it joined late), and two
+groups of one slot may apply different averages. Matchmaking already keeps peers of
+different states apart (:func:`atoll.protocol.matchmaking.compat_key`); this module is how
+such a peer *rebases*: it copies the state of the swarm's leading copy from a peer that
+holds it, then groups with that peer again (the "rebase first or stay out" rule of
+Decoupled DiLoCo's asynchronous learners, arXiv 2604.21428).
+
+Pieces (sans-IO, numpy only):
+
+- :class:`FragmentState`: version, outer-optimizer step count, inner step of the server,
+  the global copy and the momentum buffer, with :meth:`~FragmentState.encode` to bytes
+  and :func:`decode_state` back; :meth:`~FragmentState.digest` is the hash declared in
+  the DHT and in matchmaking (two peers with equal digests hold the same bytes);
+- :func:`leading_state`: THE RULE for which (version, digest) of a fragment the swarm
+  follows: the highest version; among equal versions, the one held by most peers; then
+  the smallest digest. Every peer computes it from the same declarations and so agrees;
+  a peer rebases when the leading state is not its own and is ahead of it
+  (:func:`should_rebase`);
+- :class:`StateRequest` / :class:`StateChunk`: the wire messages (kinds 30 and 31). The
+  encoding is cut into chunks of at most :data:`CHUNK_BYTES`; :class:`StateAssembler`
+  puts them back together and checks every chunk against the first (same version, digest
+  and total size), the offsets (contiguous, in order) and, at the end, the digest of the
+  whole, so a peer cannot hand over state other than what it claims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from atoll.protocol.errors import CodecError, ConfigError
+from atoll.protocol.messages import wire_message
+
+__all__ = [
+    "CHUNK_BYTES",
+    "FragmentState",
+    "StateAssembler",
+    "StateChunk",
+    "StateRequest",
+    "chunks_of",
+    "decode_state",
+    "leading_state",
+    "should_rebase",
+]
+
+CHUNK_BYTES: int = 8 * 1024 * 1024
+"""Most payload bytes of one :class:`StateChunk` (well under the 64 MiB frame limit)."""
+
+_MAGIC = b"ATST"
+_HEADER = struct.Struct(">4sQQQQ")  # magic, version, optimizer steps, inner step, numel
+_ID = {"max_len": 128}
+DIGEST_LEN = 32  # hex digits of a state digest (128 bits)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FragmentState:
+    """The shared part of one fragment's outer state, as a peer serves it.
+
+    ``step`` is the server's inner step when it answered: a joining peer starts its own
+    step counter there, so that its sync slots line up with the swarm's.
+    """
+
+    version: int
+    optimizer_steps: int
+    step: int
+    global_params: np.ndarray
+    momentum: np.ndarray
+
+    def __post_init__(self) -> None:
+        for name in ("version", "optimizer_steps", "step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, not {value!r}")
+        g = np.ascontiguousarray(self.global_params, dtype=np.float32).reshape(-1)
+        m = np.ascontiguousarray(self.momentum, dtype=np.float32).reshape(-1)
+        if g.size != m.size:
+            raise ConfigError(f"global copy has {g.size} values, momentum {m.size}")
+        object.__setattr__(self, "global_params", g)
+        object.__setattr__(self, "momentum", m)
+
+    def encode(self) -> bytes:
+        """Header, global copy, momentum (float32 little-endian); see :func:`decode_state`."""
+        head = _HEADER.pack(_MAGIC, self.version, self.optimizer_steps, 0, self.global_params.size)
+        le = np.dtype("<f4")
+        return head + self.global_params.astype(le).tobytes() + self.momentum.astype(le).tobytes()
+
+    def digest(self) -> str:
+        """Hex sha256 (first 128 bits) of the encoding with ``step`` left out.
+
+        Equal digests mean equal version, optimizer steps, global copy and momentum: the
+        peers may average together.
+        """
+        return hashlib.sha256(self.encode()).hexdigest()[:DIGEST_LEN]
+
+    def wire(self) -> bytes:
+        """The encoding sent to a peer: as :meth:`encode`, with the server's step in it."""
+        data = bytearray(self.encode())
+        _HEADER.pack_into(
+            data, 0, _MAGIC, self.version, self.optimizer_steps, self.step, self.global_params.size
+        )
+        return bytes(data)
+
+
+def decode_state(data: bytes, numel: int) -> FragmentState:
+    """The :class:`FragmentState` in ``data`` (:meth:`FragmentState.wire` or ``encode``).
+
+    Raises :class:`~atoll.protocol.errors.CodecError` when the bytes are not a state of
+    ``numel`` values (bad magic, wrong size) or hold non-finite values.
+    """
+    if len(data) < _HEADER.size:
+        raise CodecError(f"fragment state of {len(data)} bytes is shorter than its header")
+    magic, version, steps, step, n = _HEADER.unpack_from(data, 0)
+    if magic != _MAGIC:
+        raise CodecError("not a fragment state (bad magic)")
+    if n != numel or len(data) != _HEADER.size + 8 * numel:
+        raise CodecError(
+            f"fragment state holds {n} values in {len(data)} bytes; expected {numel} values"
+        )
+    values = np.frombuffer(data, dtype="<f4", offset=_HEADER.size).astype(np.float32)
+    if not np.isfinite(values).all():
+        raise CodecError("fragment state holds non-finite values")
+    return FragmentState(int(version), int(steps), int(step), values[:numel], values[numel:])
+
+
+# --------------------------------------------------------------------------------------
+# which state the swarm follows
+# --------------------------------------------------------------------------------------
+def leading_state(holdings: Iterable[tuple[str, int, str]]) -> tuple[int, str] | None:
+    """The ``(version, digest)`` the swarm follows, from ``(peer, version, digest)`` triples.
+
+    Highest version first; then most peers holding it (each peer counted once per state);
+    then the smallest digest. None when there is nothing to choose from.
+    """
+    seen: dict[tuple[int, str], set[str]] = {}
+    for peer, version, digest in holdings:
+        seen.setdefault((version, digest), set()).add(peer)
+    if not seen:
+        return None
+    counts = Counter({k: len(v) for k, v in seen.items()})
+    return min(counts, key=lambda k: (-k[0], -counts[k], k[1]))
+
+
+def should_rebase(me: str, mine: tuple[int, str], holdings: Iterable[tuple[str, int, str]]) -> bool:
+    """Whether peer ``me`` holding ``mine`` must copy the leading state before it may group.
+
+    The leading state is taken over ``holdings`` and this peer's own; True when it is not
+    ``mine``. A peer that holds the leading state never rebases.
+    """
+    lead = leading_state([*holdings, (me, *mine)])
+    return lead is not None and lead != mine
+
+
+# --------------------------------------------------------------------------------------
+# messages
+# --------------------------------------------------------------------------------------
+@wire_message(30)
+@dataclass(frozen=True, slots=True)
+class StateRequest:
+    """``sender`` asks the receiver for its state of ``fragment`` of run ``run_id``."""
+
+    sender: str = field(metadata=_ID)
+    run_id: str = field(metadata=_ID)
+    fragment: int
+
+
+@wire_message(31)
+@dataclass(frozen=True, slots=True)
+class StateChunk:
+    """Bytes ``[offset, offset + len(payload))`` of a :meth:`FragmentState.wire` encoding.
+
+    ``total`` is the length of the whole encoding; ``version`` and ``digest`` name the
+    state. An empty ``digest`` with ``total == 0`` means "I cannot serve it" (``reason``).
+    """
+
+    sender: str = field(metadata=_ID)
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    version: int
+    digest: str = field(metadata=_ID)
+    offset: int
+    total: int
+    payload: bytes = field(metadata={"max_len": CHUNK_BYTES})
+    reason: str = field(default="", metadata={"max_len": 300})
+
+
+def chunks_of(
+    state: FragmentState, *, sender: str, run_id: str, fragment: int
+) -> Iterator[StateChunk]:
+    """The chunks that carry ``state`` to a peer, in order."""
+    data = state.wire()
+    digest = state.digest()
+    for offset in range(0, max(1, len(data)), CHUNK_BYTES):
+        yield StateChunk(
+            sender,
+            run_id,
+            fragment,
+            state.version,
+            digest,
+            offset,
+            len(data),
+            data[offset : offset + CHUNK_BYTES],
+        )
+
+
+class StateAssembler:
+    """Puts one peer's :class:`StateChunk` stream back together and checks it.
+
+    :meth:`feed` returns the :class:`FragmentState` after the last chunk, None before;
+    raises :class:`~atoll.protocol.errors.CodecError` on anything out of order, on a
+    change of version, digest or total, on a size that cannot be a state of ``numel``
+    values, on a refusal (``reason``) and on a digest that does not match the bytes.
+    """
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self._expected_total = _HEADER.size + 8 * numel
+        self._buf = bytearray()
+        self._first: StateChunk | None = None
+
+    def feed(self, chunk: StateChunk) -> FragmentState | None:
+        if chunk.total == 0 and not chunk.digest:
+            raise CodecError(f"peer cannot serve the state: {chunk.reason or 'no reason given'}")
+        first = self._first
+        if first is None:
+            if chunk.total != self._expected_total:
+                raise CodecError(
+                    f"state of {chunk.total} bytes announced; {self._expected_total} expected"
+                )
+            self._first = first = chunk
+        elif (chunk.version, chunk.digest, chunk.total) != (
+            first.version,
+            first.digest,
+            first.total,
+        ):
+            raise CodecError("state chunks disagree on version, digest or size")
+        if chunk.offset != len(self._buf) or len(self._buf) + len(chunk.payload) > chunk.total:
+            raise CodecError(f"state chunk at offset {chunk.offset} is out of order")
+        if not chunk.payload:
+            raise CodecError("empty state chunk")
+        self._buf += chunk.payload
+        if len(self._buf) < chunk.total:
+            return None
+        state = decode_state(bytes(self._buf), self.numel)
+        if state.version != first.version or state.digest() != first.digest:
+            raise CodecError("the state's bytes do not match the digest it was announced with")
+        return state
