@@ -180,7 +180,17 @@ def _cmd_node(args: argparse.Namespace) -> int:
             setattr(args, name, ",".join(getattr(args, name)))
     cfg = build_config(NodeConfig, args, toml)
     printer = ProgressPrinter(cfg.progress)
-    summary = run_node(cfg, progress=printer)
+
+    def started(info: dict[str, Any]) -> None:
+        print(
+            f"atoll node: peer {info.get('peer_id')} of run {str(info.get('run_id'))[:12]} "
+            f"from step {info.get('start_step', 0)}; listening on "
+            + ", ".join(info.get("addrs", [])),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    summary = run_node(cfg, progress=printer, on_start=started)
     text = (
         f"atoll node: {summary.steps} steps ({summary.stopped_by}), loss "
         f"{summary.first_loss:.4f} -> {summary.last_loss:.4f}"

@@ -135,8 +135,13 @@ def run_node(
     cfg: NodeConfig,
     *,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    on_start: Callable[[dict[str, Any]], None] | None = None,
 ) -> NodeSummary:
-    """Train as one peer of the swarm ``cfg`` names until ``cfg.steps`` or a stop signal."""
+    """Train as one peer of the swarm ``cfg`` names until ``cfg.steps`` or a stop signal.
+
+    ``on_start`` is called once the node joined and caught up, with the network
+    process's info (``peer_id``, ``addrs``, ``run_id``, ``start_step``).
+    """
     manifest = RunManifest.load(Path(cfg.run).expanduser())
     run_id = manifest.run_id()
     device = resolve_device(cfg.device)
@@ -183,6 +188,7 @@ def run_node(
                 "listen": tuple(cfg.listen_addrs()),
                 "join_timeout_s": cfg.join_timeout_s,
                 "seed": manifest.seed,
+                "wait_peers": cfg.wait_peers,
             }
             with (
                 stop.installed(),
@@ -203,6 +209,7 @@ def run_node(
                     n_params=n_params,
                     run_id=run_id,
                     seq_len=seq_len,
+                    on_start=on_start,
                 )
         finally:
             shared.close()
@@ -222,6 +229,7 @@ def _train(
     stop: _Stop,
     progress: Callable[[dict[str, Any]], None] | None,
     *,
+    on_start: Callable[[dict[str, Any]], None] | None = None,
     n_params: int,
     run_id: str,
     seq_len: int,
@@ -232,6 +240,8 @@ def _train(
     for p in range(len(shared)):
         views.set(p, shared.global_(p))
     logger.info("peer %s trains from step %d", info.get("peer_id"), start)
+    if on_start is not None:
+        on_start(dict(info))
     t0 = time.perf_counter()
     tokens = 0
     losses: list[float] = []

@@ -78,7 +78,7 @@ codec = "{cfg.codec}"
 [group]
 min_quorum = 2
 max_size = {max(2, cfg.nodes)}
-grace_s = 1.0
+grace_s = 3.0
 
 [timeouts]
 matchmaking_s = 15.0

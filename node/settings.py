@@ -191,6 +191,8 @@ class NodeConfig:
     """multiaddr(s) to listen on, comma-separated (port 0: any free port)"""
     steps: int = 0
     """inner steps to train, then stop (0: up to the manifest's total_steps)"""
+    wait_peers: int = 0
+    """before training, wait until this many other peers of the run are in the DHT"""
     join_timeout_s: float = 60.0
     """keep retrying the join addresses (with backoff) this long before giving up"""
     device: str = "auto"

@@ -210,8 +210,13 @@ class _Runner:
     """Carries out Send actions in parallel tasks; a failed send reports the peer lost."""
 
     def __init__(
-        self, host: AtollHost, nursery: trio.Nursery, events: trio.MemorySendChannel[Event]
+        self,
+        host: AtollHost,
+        nursery: trio.Nursery,
+        events: trio.MemorySendChannel[Event],
+        on_sent: Callable[[object], None] | None = None,
     ) -> None:
+        self.on_sent = on_sent
         self.host = host
         self.nursery = nursery
         self.events = events
@@ -227,6 +232,8 @@ class _Runner:
     async def _send(self, to: str, msg: object) -> None:
         try:
             await self.host.send(to, msg)
+            if self.on_sent is not None:
+                self.on_sent(msg)
         except AtollError as e:
             logger.info("sending %s to %s failed: %s", type(msg).__name__, to, e)
             with contextlib.suppress(
@@ -351,8 +358,14 @@ async def run_allreduce(
     validator: ar.Validator | None = None,
     linger_s: float = 10.0,
     traffic: RoundTraffic | None = None,
+    checkpoint: Callable[[str], None] | None = None,
 ) -> ar.Done | ar.Failed:
-    """Run this node's side of one all-reduce round; Done or Failed, within the timeouts."""
+    """Run this node's side of one all-reduce round; Done or Failed, within the timeouts.
+
+    ``checkpoint`` (fault injection for tests) is called with ``"start"`` before the
+    first part goes out, ``"part_sent"`` once one part has been written, and
+    ``"parts_sent"`` once every part has.
+    """
     me = host.peer_id
     key = ("ar", spec.key.run_id, spec.key.fragment, spec.key.round)
     send_ch, events = trio.open_memory_channel[Event](4 * len(spec.members) + 16)
@@ -373,8 +386,22 @@ async def run_allreduce(
     outcome: ar.Done | ar.Failed | None = None
     mailbox.open(key, send_ch)
     try:
+        parts_sent = 0
+
+        def on_sent(msg: object) -> None:
+            nonlocal parts_sent
+            if checkpoint is None or not isinstance(msg, ar.Part):
+                return
+            parts_sent += 1
+            if parts_sent == 1:
+                checkpoint("part_sent")
+            if parts_sent == len(spec.members) - 1:
+                checkpoint("parts_sent")
+
         async with trio.open_nursery() as nursery:
-            runner = _Runner(host, nursery, send_ch)
+            runner = _Runner(host, nursery, send_ch, on_sent)
+            if checkpoint is not None:
+                checkpoint("start")
             actions = machine.start()
             while True:
                 for action in actions:

@@ -36,9 +36,12 @@ joiner's slots line up with the swarm's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -70,7 +73,7 @@ from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError, ConfigError, PeerUnavailable
-from atoll.protocol.manifest import RunManifest
+from atoll.protocol.manifest import GroupSettings, RunManifest
 from atoll.protocol.schedule import Schedule
 from atoll.security.identity import load_or_create
 
@@ -81,6 +84,9 @@ logger = logging.getLogger(__name__)
 _RECORD_TTL_S = 120.0  # lifetime of a published peer record; refreshed at a third of it
 _READY_TTL_S = 120.0
 _INFO_EVERY_S = 1.0
+_PEERS_EVERY_S = 5.0  # how often the live peers of the run are read from the DHT
+_REPUBLISH_MIN_S = 2.0  # a changed peer record goes out at most this often
+_HISTORY = 200  # (fragment, version, digest) entries kept for the info
 
 
 class JoinFailed(PeerUnavailable):
@@ -104,6 +110,12 @@ class SwarmStats:
     round_s: list[float] = field(default_factory=list)
     round_bytes: list[int] = field(default_factory=list)
     group_sizes: list[int] = field(default_factory=list)
+    outcomes: list[tuple[int, int, str, float]] = field(default_factory=list)
+    """(fragment, slot, applied/failed/alone/rebased, seconds) of every sync"""
+    history: list[tuple[int, int, str, str]] = field(default_factory=list)
+    """(fragment, version, digest, round) after every applied round and rebase; round is
+    ``"slot/leader"`` of the group (members of one group must hold the same digest), or
+    ``"rebase"``"""
 
 
 # --------------------------------------------------------------------------------------
@@ -213,6 +225,8 @@ class _Swarm:
         self.tokens_per_s = 0.0
         self._rate_mark = (time.monotonic(), 0)
         self.peers_seen: set[str] = set()
+        self._published: tuple[tuple[int, ...], tuple[str, ...], float] = ((), (), 0.0)
+        self.live: dict[str, float] = {}  # peers of the run with a live record -> expiry
 
     # -- state server ------------------------------------------------------------------
     async def on_request(self, sender: str, msg: object) -> None:
@@ -251,6 +265,7 @@ class _Swarm:
             async with self.lock:
                 self.engine.import_fragment(p, state)
                 self.shared.global_(p)[:] = self.engine.global_params(p)
+                self._remember(p, "rebase")
             self.stats.rebases += 1
             logger.info(
                 "fragment %d rebased to version %d (%s) from %s",
@@ -269,8 +284,8 @@ class _Swarm:
         except AtollError as e:
             logger.info("no peer records yet (%s): starting from the manifest's seed", e)
             return 0
+        self.note_peers(records)
         records = [r for r in records if r.peer_id != self.host.peer_id]
-        self.peers_seen.update(r.peer_id for r in records)
         start = 0
         for p in range(len(self.shared)):
             holdings = [
@@ -291,6 +306,17 @@ class _Swarm:
 
     # -- one sync -------------------------------------------------------------------------
     async def handle(self, p: int, step: int, tokens: int) -> SyncOutcome:
+        """One sync of fragment ``p`` started at ``step`` (see the module docstring)."""
+        t0 = trio.current_time()
+        outcome = await self._sync(p, step, tokens)
+        status = "applied" if outcome.applied else outcome.reason.split(":")[0]
+        if outcome.reason.startswith("rebased"):
+            status = "rebased"
+        entry = (p, step // self.manifest.H, status, round(trio.current_time() - t0, 3))
+        self.stats.outcomes = [*self.stats.outcomes[-_HISTORY + 1 :], entry]
+        return outcome
+
+    async def _sync(self, p: int, step: int, tokens: int) -> SyncOutcome:
         manifest = self.manifest
         self.step = max(self.step, step)
         async with self.lock:
@@ -327,7 +353,7 @@ class _Swarm:
                 self.mailbox,
                 self.dht,
                 me,
-                manifest.group,
+                self.group_settings(),
                 timeout_s=manifest.timeouts.matchmaking_s,
                 ttl_s=_READY_TTL_S,
                 wall=time.time,
@@ -388,6 +414,7 @@ class _Swarm:
             phase_timeout_s=manifest.timeouts.part_s,
             round_timeout_s=manifest.timeouts.round_s,
             traffic=traffic,
+            checkpoint=self.fault(p, slot),
         )
         self.stats.round_s.append(round(traffic.seconds, 3))
         self.stats.round_bytes.append(traffic.bytes_sent)
@@ -405,9 +432,31 @@ class _Swarm:
                 self.engine.skip(p, str(e))
                 return SyncOutcome(p, step, False, request.round, f"failed: {e}")
             self.shared.global_(p)[:] = self.engine.global_params(p)
+            self._remember(p, f"{slot}/{members[0]}")
         self.stats.rounds_applied += 1
         self.stats.last_sync[p] = f"v{self.engine.version(p)} x{len(members)}"
         return SyncOutcome(p, step, True, request.round)
+
+    def _remember(self, p: int, round_id: str) -> None:
+        """Note fragment ``p``'s new (version, digest): tests compare them across peers."""
+        entry = (p, self.engine.version(p), self.engine.digest(p), round_id)
+        self.stats.history = [*self.stats.history[-_HISTORY + 1 :], entry]
+
+    def fault(self, p: int, slot: int) -> Callable[[str], None] | None:
+        """The fault-injection hook of ``ATOLL_FAULT=kill:POINT:FRAGMENT:SLOT`` (tests):
+        the network process kills itself with SIGKILL at that point of that round."""
+        spec = os.environ.get("ATOLL_FAULT", "")
+        parts = spec.split(":")
+        if len(parts) != 4 or parts[0] != "kill" or parts[2:] != [str(p), str(slot)]:
+            return None
+        point = parts[1]
+
+        def hook(at: str) -> None:
+            if at == point:
+                logger.warning("ATOLL_FAULT: killing the network process at %s", at)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return hook
 
     # -- background ---------------------------------------------------------------------
     def peer_record(self) -> PeerRecord:
@@ -425,15 +474,69 @@ class _Swarm:
             now + _RECORD_TTL_S,
         )
 
+    async def publish_once(self) -> None:
+        async with self.lock:
+            record = await trio.to_thread.run_sync(self.peer_record)
+        try:
+            await self.dht.announce_peer(record)
+            self._published = (record.versions, record.digests, time.monotonic())
+        except AtollError as e:
+            logger.info("publishing the peer record failed: %s", e)
+
     async def publish(self) -> None:
+        """Keep this peer's record fresh: republished when a fragment's version changed
+        (at most every :data:`_REPUBLISH_MIN_S`) and before it expires."""
         while True:
-            async with self.lock:
-                record = await trio.to_thread.run_sync(self.peer_record)
+            await trio.sleep(_REPUBLISH_MIN_S)
+            versions, _, at = self._published
+            current = tuple(self.engine.version(p) for p in range(len(self.shared)))
+            if current != versions or time.monotonic() - at > _RECORD_TTL_S / 3:
+                await self.publish_once()
+
+    def note_peers(self, records: Sequence[PeerRecord]) -> None:
+        """Take in the peer records of the run (the live set sizes the groups)."""
+        now = time.time()
+        for r in records:
+            if r.peer_id != self.host.peer_id:
+                self.live[r.peer_id] = r.expires_at
+                self.peers_seen.add(r.peer_id)
+        self.live = {p: t for p, t in self.live.items() if t > now}
+
+    async def watch_peers(self) -> None:
+        """Refresh the set of live peers from the DHT every :data:`_PEERS_EVERY_S`."""
+        while True:
             try:
-                await self.dht.announce_peer(record)
+                self.note_peers(await self.dht.find_peers())
             except AtollError as e:
-                logger.info("publishing the peer record failed: %s", e)
-            await trio.sleep(_RECORD_TTL_S / 3)
+                logger.debug("find_peers: %s", e)
+            await trio.sleep(_PEERS_EVERY_S)
+
+    def group_settings(self) -> GroupSettings:
+        """The manifest's group settings, the most members capped at the live peers known:
+        once every peer known alive has joined, the leader need not wait out the grace."""
+        group = self.manifest.group
+        if not self.live:
+            return group
+        size = max(group.min_quorum, min(group.max_size, 1 + len(self.live)))
+        return dataclasses.replace(group, max_size=size)
+
+    async def wait_for_peers(self, n: int, timeout_s: float) -> None:
+        """Wait until ``n`` other peers of the run have published their records."""
+        seen: set[str] = set()
+        with trio.move_on_after(timeout_s):
+            while True:
+                try:
+                    records = await self.dht.find_peers()
+                    self.note_peers(records)
+                    seen = {r.peer_id for r in records} - {self.host.peer_id}
+                except AtollError as e:
+                    logger.debug("find_peers: %s", e)
+                self.peers_seen.update(seen)
+                if len(seen) >= n:
+                    logger.info("%d peers of the run are here; training starts", len(seen))
+                    return
+                await trio.sleep(0.5)
+        raise JoinFailed(f"only {len(seen)} of the {n} peers waited for appeared in {timeout_s} s")
 
     def info(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -457,6 +560,8 @@ class _Swarm:
             "round_bytes": s.round_bytes[-50:],
             "group_sizes": s.group_sizes[-50:],
             "versions": [self.engine.version(p) for p in range(len(self.shared))],
+            "history": s.history,
+            "outcomes": s.outcomes,
         }
 
     async def report(self) -> None:
@@ -478,6 +583,7 @@ async def swarm_worker(
     dht_timeout_s: float = 10.0,
     poll_s: float = 0.5,
     seed: int = 0,
+    wait_peers: int = 0,
 ) -> None:
     """The network process of a swarm node (see the module docstring).
 
@@ -517,6 +623,9 @@ async def swarm_worker(
         joined = await join_swarm(
             host, dht, join, timeout_s=join_timeout_s, dial_s=manifest.timeouts.dial_s
         )
+        await swarm.publish_once()
+        if wait_peers:
+            await swarm.wait_for_peers(wait_peers, join_timeout_s)
         start_step = await swarm.catch_up() if joined else 0
         swarm.step = start_step
         post_info(
@@ -530,6 +639,7 @@ async def swarm_worker(
             },
         )
         nursery.start_soon(swarm.publish)
+        nursery.start_soon(swarm.watch_peers)
         nursery.start_soon(swarm.report)
         await serve(inbox, outbox, swarm.handle)
         post_info(outbox, swarm.info())

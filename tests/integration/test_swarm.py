@@ -1,0 +1,127 @@
+"""The swarm end to end: real ``atoll bootstrap`` and ``atoll node`` processes on 127.0.0.1.
+
+Each test starts its own bootstrap peer and nodes (the ``local_swarm`` fixture of
+conftest.py) training the tiny model with syncs every 10 steps, and reads what every node
+reports (its JSON summary: losses, rounds, and the (fragment, version, digest) of every
+global copy it held).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def test_four_peers_train_and_hold_bit_identical_global_fragments(local_swarm: Any) -> None:
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    run = swarm.write_manifest("run", swarm.manifest())
+    nodes = [swarm.start_node(f"n{i}", run, steps=40, wait_peers=3) for i in range(4)]
+    for node in nodes:
+        assert node.wait(180) == 0, node.tail()
+    for node in nodes:
+        s = node.summary
+        assert s is not None, node.tail()
+        assert s["last_loss"] < s["first_loss"] - 0.5, (node.name, s["first_loss"], s["last_loss"])
+        assert s["rounds_applied"] >= 2, node.tail()
+        assert s["info"]["peers_seen"] == 3
+    # after every completed round, its members hold bit-identical global fragments
+    assert swarm.agreeing_rounds(nodes)
+    assert max(swarm.members_per_round(nodes).values()) == 4  # some round had all four
+
+
+@pytest.mark.parametrize("point", ["start", "part_sent", "parts_sent"])
+def test_a_peer_killed_mid_round_leaves_the_others_committed_identical_or_unchanged(
+    local_swarm: Any, point: str
+) -> None:
+    """The victim's network process SIGKILLs itself in fragment 0's round of slot 1: before
+    it sends any part, after its first part, after all of them (ATOLL_FAULT)."""
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    text = swarm.manifest(timeouts={"part_s": 5.0, "round_s": 8.0})
+    run = swarm.write_manifest("run", text)
+    survivors = [swarm.start_node(f"n{i}", run, steps=40, wait_peers=2) for i in range(2)]
+    victim = swarm.start_node(
+        "victim", run, steps=40, wait_peers=2, env={"ATOLL_FAULT": f"kill:{point}:0:1"}
+    )
+    assert victim.wait(180) != 0  # its trainer reports the dead network process
+    assert "network process died" in victim.stderr()
+    for node in survivors:
+        assert node.wait(180) == 0, node.tail()
+    for node in survivors:
+        outcomes = {(p, slot): (status, secs) for p, slot, status, secs in node.info()["outcomes"]}
+        status, secs = outcomes[(0, 1)]
+        assert status in ("applied", "failed"), (node.name, status)
+        # bounded: matchmaking plus the round's own timeout, plus the last sends' linger
+        assert secs < 6.0 + 8.0 + 10.0, (node.name, secs)
+        assert node.summary["rounds_applied"] >= 2  # and the swarm trained on
+    swarm.agreeing_rounds(survivors)  # committed rounds hold identical bytes
+
+
+def test_a_late_peer_finds_the_swarm_through_the_dht_and_catches_up(local_swarm: Any) -> None:
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    run = swarm.write_manifest("run", swarm.manifest())
+    early = [swarm.start_node(f"n{i}", run, steps=70, wait_peers=1) for i in range(2)]
+    deadline_steps = 25
+    t0 = time.monotonic()
+    while min(n.progress.get("step", 0) for n in early) < deadline_steps:
+        assert time.monotonic() - t0 < 120, [n.tail() for n in early]
+        assert all(n.proc.poll() is None for n in early), [n.tail() for n in early]
+        time.sleep(0.5)
+    late = swarm.start_node("late", run, steps=30)
+    for node in [*early, late]:
+        assert node.wait(180) == 0, node.tail()
+    s = late.summary
+    assert s["start_step"] >= deadline_steps  # it took the swarm's step with the state
+    assert s["rebases"] >= 1  # it copied the global fragments it lacked
+    assert s["rounds_applied"] >= 1, late.tail()
+    assert s["info"]["peers_seen"] == 2
+    swarm.agreeing_rounds([*early, late])
+
+
+def test_two_manifests_do_not_mix_and_wrong_joins_say_why(local_swarm: Any) -> None:
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    run_a = swarm.write_manifest("a", swarm.manifest("run-a"))
+    run_b = swarm.write_manifest("b", swarm.manifest("run-b"))
+    a = [swarm.start_node(f"a{i}", run_a, steps=50, wait_peers=1) for i in range(2)]
+    b = [swarm.start_node(f"b{i}", run_b, steps=30, wait_peers=1) for i in range(2)]
+
+    # a node of run b told to join a node of run a: refused at once, with the reason
+    t0 = time.monotonic()
+    while "listening on" not in a[0].stderr():
+        assert time.monotonic() - t0 < 120 and a[0].proc.poll() is None, a[0].tail()
+        time.sleep(0.2)
+    addr_a = next(
+        line.split("listening on ")[1].split(",")[0].strip()
+        for line in a[0].stderr().splitlines()
+        if "listening on" in line
+    )
+    wrong = swarm.start_node("wrong", run_b, steps=5, join=[addr_a])
+    assert wrong.wait(90) == 2, wrong.tail()
+    assert "another run" in wrong.stderr(), wrong.tail()
+    assert a[0].proc.poll() is None  # the refusal came from a live peer of run a
+
+    for node in [*a, *b]:
+        assert node.wait(180) == 0, node.tail()
+        assert node.summary["info"]["peers_seen"] == 1, node.name  # its own run's peer only
+        assert node.summary["rounds_applied"] >= 1, node.tail()
+    assert a[0].summary["run_id"] != b[0].summary["run_id"]
+    swarm.agreeing_rounds(a)
+    swarm.agreeing_rounds(b)
+
+
+def test_an_unreachable_join_address_fails_with_the_reason(local_swarm: Any) -> None:
+    swarm = local_swarm
+    run = swarm.write_manifest("run", swarm.manifest())
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWKGJFTEkwV7MauqW5jpfsNoZRAr5BJ1EuKu8mDygbn3c6"
+    node = swarm.start_node("n", run, steps=5, join=[dead], extra=("--join-timeout-s", "3"))
+    assert node.wait(90) == 2
+    err = node.stderr()
+    assert "cannot join the swarm" in err and "unreachable" in err, err[-2000:]
+    assert "Traceback" not in err
