@@ -393,6 +393,11 @@ class AtollDHT:
         return str(self._host.get_id())
 
     @property
+    def value_store(self) -> Any:
+        """The library's value store behind this DHT (read by :mod:`atoll.dht.status`)."""
+        return self._kad.value_store
+
+    @property
     def run_id(self) -> str | None:
         """The run whose topics this node announces and searches; None for a run-agnostic
         (serving-only) DHT."""

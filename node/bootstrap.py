@@ -43,6 +43,7 @@ import trio
 from libp2p.host.basic_host import BasicHost
 
 from atoll.dht.kad import AtollDHT
+from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
 from atoll.node.net.host import HostConfig, open_libp2p_host
 from atoll.node.settings import BootstrapConfig
@@ -148,6 +149,7 @@ async def _serve_dht(
             timeout_s=cfg.timeout_s,
         ) as dht,
     ):
+        serve_status(host, dht.value_store)
         addrs = dialable_addrs(host)
         if cfg.addr_file:
             write_addr_file(Path(cfg.addr_file).expanduser(), addrs)

@@ -7,6 +7,7 @@ Subcommands (more come with the swarm):
 - ``atoll demo``: a bootstrap and 4 nodes on 127.0.0.1 train together, with a live table
   (``--simulated``: the in-process comparison with data-parallel).
 - ``atoll bootstrap``: a light DHT-only peer (no torch, no GPU) for the swarm to meet at.
+- ``atoll status``: the peers, runs and versions the DHT peers at ``--join`` know of.
 - ``atoll version``.
 
 Errors atoll raises on purpose are printed as one line (``atoll: error: ...``), never as
@@ -208,6 +209,36 @@ def _cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from atoll.node.swarmstatus import format_view, query
+    from atoll.protocol.manifest import RunManifest
+
+    run_id = run_name = None
+    if args.run:
+        manifest = RunManifest.load(Path(args.run).expanduser())
+        run_id, run_name = manifest.run_id(), manifest.name
+    view = query(args.join, timeout_s=args.timeout_s)
+    if args.json:
+        records = [
+            {
+                "run_id": r.run_id,
+                "peer_id": r.peer_id,
+                "addrs": list(r.addrs),
+                "agent": r.agent,
+                "tokens_per_s": r.tokens_per_s,
+                "versions": list(r.versions),
+                "digests": list(r.digests),
+                "issued_at": r.issued_at,
+                "expires_at": r.expires_at,
+            }
+            for r in view.records
+            if run_id is None or r.run_id == run_id
+        ]
+        Path(args.json).write_text(json.dumps({"peers": records, "asked": view.answered}))
+    print(format_view(view, run_id=run_id, run_name=run_name or ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atoll", description="Peer-to-peer Streaming DiLoCo training."
@@ -291,6 +322,22 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--config", help="TOML file (a [node] table or top-level keys)")
     node.add_argument("--json", help="write the summary to this file")
     node.set_defaults(func=_cmd_node)
+
+    status = sub.add_parser(
+        "status",
+        help="the swarm as the DHT sees it: peers, runs, versions",
+        description=(
+            "Ask peers (bootstrap peers or nodes) for the peer records they hold and print "
+            "them per run. Every record is checked here (signature, expiry)."
+        ),
+    )
+    status.add_argument(
+        "--join", action="append", required=True, metavar="MULTIADDR", help="peer to ask"
+    )
+    status.add_argument("--run", help="only this run's peers (its manifest)")
+    status.add_argument("--timeout-s", type=float, default=10.0, help="per peer (default 10)")
+    status.add_argument("--json", help="also write the records to this file")
+    status.set_defaults(func=_cmd_status)
 
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda _a: print(version("atoll")) or 0)

@@ -114,6 +114,7 @@ class Mailbox:
 
     def open(self, key: Key, channel: trio.MemorySendChannel[Event]) -> None:
         """Deliver the messages of ``key`` to ``channel`` from now on (held ones first)."""
+        self._expire(trio.current_time())
         self._closed.pop(key, None)
         self._open[key] = channel
         held = self._held.pop(key, None)
@@ -185,6 +186,7 @@ class Mailbox:
             self.dropped += 1
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             self._open.pop(key, None)
+            self.dropped += 1
 
     def _expire(self, now: float) -> None:
         for key in [k for k, h in self._held.items() if now - h.since > self.hold_s]:

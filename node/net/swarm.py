@@ -50,6 +50,7 @@ import trio
 
 from atoll.dht.kad import AtollDHT
 from atoll.dht.records import PeerRecord
+from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
 from atoll.node.net.bridge import SharedFragments, SyncOutcome, post_info, serve
 from atoll.node.net.host import (
@@ -618,6 +619,7 @@ async def swarm_worker(
         ) as dht,
         trio.open_nursery() as nursery,
     ):
+        serve_status(host.libp2p_host, dht.value_store)
         swarm = _Swarm(shared, outbox, manifest, host, dht, engine, poll_s)
         nursery.start_soon(swarm.mailbox.run)
         joined = await join_swarm(

@@ -8,10 +8,15 @@ global copy it held).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from typing import Any
 
 import pytest
+
+CLI = [sys.executable, "-m", "atoll.node.cli"]
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -106,6 +111,22 @@ def test_two_manifests_do_not_mix_and_wrong_joins_say_why(local_swarm: Any) -> N
     assert wrong.wait(90) == 2, wrong.tail()
     assert "another run" in wrong.stderr(), wrong.tail()
     assert a[0].proc.poll() is None  # the refusal came from a live peer of run a
+
+    # atoll status lists both runs, each with its two peers, from the bootstrap's records
+    out = swarm.tmp / "status.json"
+    done = subprocess.run(
+        [*CLI, "status", "--join", swarm.addr, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    peers = json.loads(out.read_text())["peers"]
+    by_run: dict[str, set[str]] = {}
+    for p in peers:
+        by_run.setdefault(p["run_id"], set()).add(p["peer_id"])
+    assert sorted(len(v) for v in by_run.values()) == [2, 2], done.stdout
+    assert "2 peer(s)" in done.stdout
 
     for node in [*a, *b]:
         assert node.wait(180) == 0, node.tail()

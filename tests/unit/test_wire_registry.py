@@ -8,7 +8,7 @@ import typing
 import msgpack
 import pytest
 
-from atoll.protocol import allreduce, matchmaking
+from atoll.protocol import allreduce, matchmaking, statesync
 from atoll.protocol.errors import CodecError
 from atoll.protocol.messages import (
     PROTOCOL_VERSION,
@@ -35,6 +35,8 @@ MESSAGES = [
     matchmaking.Redirect,
     matchmaking.GroupFormed,
     matchmaking.Disband,
+    statesync.StateRequest,
+    statesync.StateChunk,
 ]
 
 

@@ -1,0 +1,341 @@
+"""The Mailbox: routing of incoming messages to open rounds, holding, dropping, expiry."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from atoll.node.net.rounds import Mailbox, key_of
+from atoll.protocol import allreduce as ar
+from atoll.protocol import matchmaking as mm
+from atoll.protocol import statesync as ss
+
+
+def _part(sender: str = "peer-a", chunk: int = 0, payload: bytes = b"", rnd: int = 4) -> ar.Part:
+    return ar.Part("run", 1, rnd, sender, chunk, 1.0, payload)
+
+
+def _join(sender: str = "peer-a", slot: int = 9) -> mm.JoinRequest:
+    return mm.JoinRequest(sender, "run", 1, slot, 3, "d" * 32, 1.0)
+
+
+AR_KEY = ("ar", "run", 1, 4)
+MM_KEY = ("mm", "run", 1, 9)
+
+
+def _mailbox(**kw: Any) -> Mailbox:
+    return Mailbox(None, **kw)  # type: ignore[arg-type]  # route/open/close never use the host
+
+
+def _run(fn: Callable[[], Awaitable[None]]) -> None:
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _drain(ch: trio.MemoryReceiveChannel[Any]) -> list[Any]:
+    out = []
+    while True:
+        try:
+            out.append(ch.receive_nowait())
+        except trio.WouldBlock:
+            return out
+
+
+def test_key_of() -> None:
+    assert key_of(_part()) == AR_KEY
+    assert key_of(ar.Reduced("run", 1, 4, "peer-b", 0, 2.0, b"")) == AR_KEY
+    assert key_of(ar.Abort("run", 1, 4, "peer-b", "x")) == AR_KEY
+    assert key_of(_join()) == MM_KEY
+    assert key_of(mm.Disband("peer-a", "run", 1, 9, 3, "d" * 32, "bye")) == MM_KEY
+    chunk = ss.StateChunk("peer-s", "run", 1, 3, "d" * 32, 0, 100, b"x")
+    assert key_of(chunk) == ("state", "run", 1, "peer-s")
+    assert key_of(ss.StateRequest("peer-a", "run", 1)) is None
+    assert key_of(object()) is None
+
+
+def test_a_message_for_an_open_key_is_delivered() -> None:
+    async def main() -> None:
+        box = _mailbox()
+        send, recv = trio.open_memory_channel[Any](10)
+        other_send, other_recv = trio.open_memory_channel[Any](10)
+        box.open(AR_KEY, send)
+        box.open(MM_KEY, other_send)
+        async with trio.open_nursery() as nursery:
+            p = _part()
+            j = _join()
+            box.route("peer-a", p, nursery)
+            box.route("peer-a", j, nursery)
+        assert _drain(recv) == [("msg", p)]
+        assert _drain(other_recv) == [("msg", j)]
+        assert box.dropped == 0
+
+    _run(main)
+
+
+def test_messages_for_an_unopened_key_are_held_and_delivered_in_order_on_open() -> None:
+    async def main() -> None:
+        box = _mailbox()
+        async with trio.open_nursery() as nursery:
+            parts = [_part("peer-a", 0), _part("peer-b", 1), _part("peer-c", 2)]
+            for p in parts:
+                box.route(p.sender, p, nursery)
+            box.route("peer-a", _join(), nursery)  # held under another key
+            await trio.sleep(1.0)
+            send, recv = trio.open_memory_channel[Any](10)
+            box.open(AR_KEY, send)
+            assert _drain(recv) == [("msg", p) for p in parts]
+            late = _part("peer-d", 3)
+            box.route("peer-d", late, nursery)
+            assert _drain(recv) == [("msg", late)]
+            mm_send, mm_recv = trio.open_memory_channel[Any](10)
+            box.open(MM_KEY, mm_send)
+            assert _drain(mm_recv) == [("msg", _join())]
+        assert box.dropped == 0
+
+    _run(main)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        _part("peer-x"),
+        _join("peer-x"),
+        ss.StateRequest("peer-x", "run", 1),
+        ss.StateChunk("peer-x", "run", 1, 3, "d" * 32, 0, 100, b"x"),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_a_message_with_a_forged_sender_is_dropped(msg: object) -> None:
+    requests: list[tuple[str, object]] = []
+
+    async def on_request(sender: str, m: object) -> None:
+        requests.append((sender, m))
+
+    async def main() -> None:
+        box = _mailbox(on_request=on_request)
+        send, recv = trio.open_memory_channel[Any](10)
+        box.open(key_of(msg) or AR_KEY, send)
+        async with trio.open_nursery() as nursery:
+            box.route("peer-a", msg, nursery)  # authenticated as peer-a, claims peer-x
+        assert _drain(recv) == []
+        assert requests == []
+        assert box.dropped == 1
+        # nothing was held either: opening again delivers nothing
+        box.close(key_of(msg) or AR_KEY)
+        send2, recv2 = trio.open_memory_channel[Any](10)
+        box.open(key_of(msg) or AR_KEY, send2)
+        assert _drain(recv2) == []
+
+    _run(main)
+
+
+def test_a_message_for_a_just_closed_key_is_dropped_then_held_again() -> None:
+    async def main() -> None:
+        box = _mailbox(closed_s=2.0, hold_s=30.0)
+        send, recv = trio.open_memory_channel[Any](10)
+        box.open(AR_KEY, send)
+        async with trio.open_nursery() as nursery:
+            box.close(AR_KEY)
+            await trio.sleep(1.9)
+            box.route("peer-a", _part(chunk=0), nursery)
+            assert box.dropped == 1
+            assert _drain(recv) == []
+            await trio.sleep(0.2)  # past closed_s
+            again = _part(chunk=1)
+            box.route("peer-a", again, nursery)
+            assert box.dropped == 1
+            send2, recv2 = trio.open_memory_channel[Any](10)
+            box.open(AR_KEY, send2)
+            assert _drain(recv2) == [("msg", again)]
+            assert _drain(recv) == []
+
+    _run(main)
+
+
+def test_reopening_a_closed_key_delivers_again() -> None:
+    async def main() -> None:
+        box = _mailbox(closed_s=5.0)
+        send, recv = trio.open_memory_channel[Any](10)
+        box.open(AR_KEY, send)
+        box.close(AR_KEY)
+        async with trio.open_nursery() as nursery:
+            box.open(AR_KEY, send)  # the same round opened again at once
+            p = _part()
+            box.route("peer-a", p, nursery)
+        assert _drain(recv) == [("msg", p)]
+        assert box.dropped == 0
+
+    _run(main)
+
+
+def test_held_messages_expire_after_hold_s() -> None:
+    async def main() -> None:
+        box = _mailbox(hold_s=5.0)
+        async with trio.open_nursery() as nursery:
+            box.route("peer-a", _part(chunk=0), nursery)
+            box.route("peer-a", _part(chunk=1), nursery)
+            await trio.sleep(4.0)
+            kept = _join()
+            box.route("peer-a", kept, nursery)  # not yet expired: nothing dropped
+            assert box.dropped == 0
+            await trio.sleep(1.5)  # the parts are 5.5 s old, the join 1.5 s
+            box.route("peer-b", _join("peer-b", slot=10), nursery)  # any routing expires
+            assert box.dropped == 2
+            send, recv = trio.open_memory_channel[Any](10)
+            box.open(AR_KEY, send)
+            assert _drain(recv) == []
+            mm_send, mm_recv = trio.open_memory_channel[Any](10)
+            box.open(MM_KEY, mm_send)
+            assert _drain(mm_recv) == [("msg", kept)]
+
+    _run(main)
+
+
+def test_open_does_not_deliver_messages_older_than_hold_s() -> None:
+    async def main() -> None:
+        box = _mailbox(hold_s=5.0)
+        async with trio.open_nursery() as nursery:
+            box.route("peer-a", _part(), nursery)
+        await trio.sleep(60.0)
+        send, recv = trio.open_memory_channel[Any](10)
+        box.open(AR_KEY, send)
+        assert _drain(recv) == []
+
+    _run(main)
+
+
+def test_the_hold_budget_in_messages_is_enforced() -> None:
+    async def main() -> None:
+        box = _mailbox(hold_messages=3)
+        async with trio.open_nursery() as nursery:
+            parts = [_part(chunk=i) for i in range(3)]
+            for p in parts:
+                box.route("peer-a", p, nursery)
+            assert box.dropped == 0
+            box.route("peer-a", _part(chunk=3), nursery)
+            box.route("peer-a", _join(), nursery)  # the budget is shared by all keys
+            assert box.dropped == 2
+            send, recv = trio.open_memory_channel[Any](10)
+            box.open(AR_KEY, send)
+            assert _drain(recv) == [("msg", p) for p in parts]
+            # delivering the held messages frees the budget
+            j = _join()
+            for _ in range(3):
+                box.route("peer-a", j, nursery)
+            assert box.dropped == 2
+            mm_send, mm_recv = trio.open_memory_channel[Any](10)
+            box.open(MM_KEY, mm_send)
+            assert len(_drain(mm_recv)) == 3
+
+    _run(main)
+
+
+def test_the_hold_budget_in_bytes_is_enforced() -> None:
+    async def main() -> None:
+        # each message counts 256 bytes plus its payload
+        box = _mailbox(hold_bytes=2 * (256 + 1000) + 100)
+        async with trio.open_nursery() as nursery:
+            big = [_part(chunk=i, payload=bytes(1000)) for i in range(2)]
+            for p in big:
+                box.route("peer-a", p, nursery)
+            assert box.dropped == 0
+            box.route("peer-a", _part(chunk=2, payload=bytes(1000)), nursery)
+            assert box.dropped == 1
+            box.route("peer-a", _join(), nursery)  # 256 bytes: no room either
+            assert box.dropped == 2
+            small = _part(chunk=3, payload=b"")
+            box.route("peer-a", _part(chunk=3, payload=bytes(100)), nursery)
+            assert box.dropped == 3
+            send, recv = trio.open_memory_channel[Any](10)
+            box.open(AR_KEY, send)
+            assert _drain(recv) == [("msg", p) for p in big]
+            box.route("peer-a", small, nursery)  # open now: delivered, not held
+            assert _drain(recv) == [("msg", small)]
+            # the bytes were freed on open: two large ones fit again under another round
+            for i in range(2):
+                box.route("peer-a", _part(chunk=i, payload=bytes(1000), rnd=5), nursery)
+            assert box.dropped == 3
+
+    _run(main)
+
+
+def test_expiry_frees_the_hold_budget() -> None:
+    async def main() -> None:
+        box = _mailbox(hold_messages=2, hold_s=1.0)
+        async with trio.open_nursery() as nursery:
+            box.route("peer-a", _part(chunk=0), nursery)
+            box.route("peer-a", _part(chunk=1), nursery)
+            await trio.sleep(2.0)
+            j = _join()
+            box.route("peer-a", j, nursery)  # the parts expire first, then j is held
+            assert box.dropped == 2
+            box.route("peer-a", j, nursery)
+            assert box.dropped == 2
+            send, recv = trio.open_memory_channel[Any](10)
+            box.open(MM_KEY, send)
+            assert _drain(recv) == [("msg", j), ("msg", j)]
+
+    _run(main)
+
+
+def test_a_message_no_round_takes_goes_to_on_request() -> None:
+    got: list[tuple[str, object]] = []
+
+    async def on_request(sender: str, msg: object) -> None:
+        await trio.sleep(0.1)
+        got.append((sender, msg))
+
+    async def main() -> None:
+        box = _mailbox(on_request=on_request)
+        req = ss.StateRequest("peer-a", "run", 1)
+        async with trio.open_nursery() as nursery:
+            box.route("peer-a", req, nursery)
+            box.route("peer-b", ss.StateRequest("peer-b", "run", 2), nursery)
+            assert got == []  # each runs in its own task
+        # one task each, in no fixed order
+        assert sorted(got, key=lambda g: g[0]) == [
+            ("peer-a", req),
+            ("peer-b", ss.StateRequest("peer-b", "run", 2)),
+        ]
+        assert box.dropped == 0
+        # and is neither held nor delivered to a round
+        send, recv = trio.open_memory_channel[Any](10)
+        box.open(AR_KEY, send)
+        assert _drain(recv) == []
+
+    _run(main)
+
+
+def test_without_on_request_such_a_message_is_ignored() -> None:
+    async def main() -> None:
+        box = _mailbox()
+        async with trio.open_nursery() as nursery:
+            box.route("peer-a", ss.StateRequest("peer-a", "run", 1), nursery)
+        assert box.dropped == 0
+
+    _run(main)
+
+
+def test_a_full_round_channel_drops_and_a_closed_one_unregisters() -> None:
+    async def main() -> None:
+        box = _mailbox()
+        send, recv = trio.open_memory_channel[Any](1)
+        box.open(AR_KEY, send)
+        async with trio.open_nursery() as nursery:
+            first = _part(chunk=0)
+            box.route("peer-a", first, nursery)
+            box.route("peer-a", _part(chunk=1), nursery)  # the round is not reading
+            assert box.dropped == 1
+            assert _drain(recv) == [("msg", first)]
+            await recv.aclose()
+            box.route("peer-a", _part(chunk=2), nursery)  # the round went away
+            later = _part(chunk=3)
+            box.route("peer-a", later, nursery)  # so this one is held for a new opener
+            send2, recv2 = trio.open_memory_channel[Any](10)
+            box.open(AR_KEY, send2)
+            assert _drain(recv2) == [("msg", later)]
+
+    _run(main)
