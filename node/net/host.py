@@ -72,7 +72,7 @@ import re
 import socket
 import struct
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -328,6 +328,18 @@ class AtollHost:
             cache.evict(peer)
         await self._ensure_stream(info, addr)
         return peer
+
+    def add_addrs(self, peer_id: str, addrs: Sequence[str], *, ttl_s: float) -> None:
+        """Remember ``addrs`` (multiaddrs without ``/p2p/``) as where ``peer_id`` listens,
+        for ``ttl_s`` seconds, so that a lost connection can be dialed again. Addresses
+        that do not parse, and a peer id that is not one, are ignored."""
+        try:
+            pid = ID.from_base58(peer_id)
+            parsed = [multiaddr.Multiaddr(a) for a in addrs]
+        except Exception:
+            return
+        if parsed and ttl_s > 0:
+            self._host.get_peerstore().add_addrs(pid, parsed, int(ttl_s))
 
     async def send(self, peer_id: str, msg: object) -> None:
         """Send ``msg`` (a registered wire message) to ``peer_id``.
@@ -698,6 +710,7 @@ async def open_host(
     try:
         async with inbox, messages, host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             await _stop_auto_connector(host)
+            nursery.start_soon(_sweep_closed_connections, host)
             atoll = AtollHost(host, identity, run_id, config, nursery, inbox, messages)
             host.set_stream_handler(ATOLL_PROTOCOL, atoll._on_stream)
             logger.info(
@@ -737,8 +750,9 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
     host, listen = _build_host(identity, config)
     lone: BaseException | None = None
     try:
-        async with host.run(listen_addrs=listen):
+        async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             await _stop_auto_connector(host)
+            nursery.start_soon(_sweep_closed_connections, host)
             logger.info(
                 "host %s up on %s",
                 identity.peer_id,
@@ -747,6 +761,7 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
             try:
                 yield host
             finally:
+                nursery.cancel_scope.cancel()
                 await _close_host(host)
     except BaseExceptionGroup as group:
         lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
@@ -754,6 +769,10 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
             raise
     if lone is not None:
         raise lone
+
+
+_MAX_CONNECTIONS_PER_PEER = 16
+_SWEEP_EVERY_S = 0.5
 
 
 def exclusive_listen_addr(addr: str) -> str:
@@ -831,11 +850,39 @@ def _build_host(
             outbound_upgrade_timeout=config.dial_timeout_s,
             inbound_stream_protocol_negotiation_timeout=config.hello_timeout_s,
             outbound_stream_protocol_negotiation_timeout=config.hello_timeout_s,
+            # two peers that dial each other at once hold two connections; with the
+            # default of 3 per peer, trimming closed the one carrying the other side's
+            # stream mid-round (TCP reset, measured in the local swarm). Keep them all.
+            max_connections_per_peer=_MAX_CONNECTIONS_PER_PEER,
         ),
     )
     if not isinstance(host, BasicHost):  # new_host builds one when no router is given
         raise TypeError(f"libp2p.new_host built a {type(host).__name__}, not a BasicHost")
     return host, listen
+
+
+async def _sweep_closed_connections(host: BasicHost) -> None:
+    """Forget closed connections at once, every :data:`_SWEEP_EVERY_S`.
+
+    py-libp2p 0.8.1 marks a connection closed first and removes it from the swarm's
+    table only after its muxer and socket have closed, which can take long on a dead
+    link; meanwhile a new stream to that peer fails with "No valid connections available"
+    instead of dialing again (the closed one still counts as the peer's connection).
+    Seen here in a local swarm under load: a peer unreachable for many seconds after a
+    reset. Removing closed entries lets the next stream dial a fresh connection.
+    """
+    network = host.get_network()
+    while True:
+        await trio.sleep(_SWEEP_EVERY_S)
+        try:
+            table = dict(network.get_connections_map())
+        except Exception:  # the swarm is shutting down
+            return
+        for conns in table.values():
+            for conn in list(conns):
+                if getattr(conn, "is_closed", False):
+                    with contextlib.suppress(Exception):
+                        network.remove_conn(conn)  # type: ignore[attr-defined]
 
 
 async def _stop_auto_connector(host: BasicHost) -> None:
@@ -913,7 +960,10 @@ def _configure_libp2p_logging() -> None:
     if os.environ.get("LIBP2P_DEBUG"):
         return
     root = logging.getLogger("libp2p")
-    root.setLevel(logging.WARNING)
+    # ATOLL_LIBP2P_LOG=INFO (or DEBUG) shows more of libp2p through atoll's handlers
+    level = getattr(logging, os.environ.get("ATOLL_LIBP2P_LOG", "WARNING").upper(), None)
+    level = level if isinstance(level, int) else logging.WARNING
+    root.setLevel(level)
     root.propagate = True
     # py-multiaddr logs every address parse at DEBUG (several per stream)
     logging.getLogger("multiaddr").setLevel(logging.WARNING)
@@ -922,9 +972,9 @@ def _configure_libp2p_logging() -> None:
         if (
             name.startswith("libp2p.")
             and isinstance(child, logging.Logger)
-            and logging.NOTSET < child.level < logging.WARNING
+            and logging.NOTSET < child.level < level
         ):
-            child.setLevel(logging.WARNING)
+            child.setLevel(level)
     for name, prefixes in _RAISED_AGAIN.items():
         lg = logging.getLogger(name)
         if not any(isinstance(f, _DropRaisedAgain) for f in lg.filters):

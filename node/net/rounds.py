@@ -41,7 +41,7 @@ from atoll.node.net.host import AtollHost
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
-from atoll.protocol.errors import AtollError, CodecError, ExchangeTimeout
+from atoll.protocol.errors import AtollError, CodecError, ExchangeTimeout, PeerUnavailable
 from atoll.protocol.manifest import GroupSettings
 
 __all__ = [
@@ -233,7 +233,13 @@ class _Runner:
 
     async def _send(self, to: str, msg: object) -> None:
         try:
-            await self.host.send(to, msg)
+            try:
+                await self.host.send(to, msg)
+            except PeerUnavailable as e:
+                # a reset connection drops the stream; one more try opens a new one (a
+                # message that did arrive the first time is a harmless duplicate)
+                logger.info("sending %s to %s failed (%s); once more", type(msg).__name__, to, e)
+                await self.host.send(to, msg)
             if self.on_sent is not None:
                 self.on_sent(msg)
         except AtollError as e:

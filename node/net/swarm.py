@@ -17,16 +17,21 @@ loopback worker, but its exchange is the swarm. It runs, in one trio loop:
 One sync of fragment ``p`` started at inner step ``t`` (the handler):
 
 1. the engine encodes Δp against the global copy (version ``v``, digest ``d``);
-2. matchmaking for slot ``t // H`` (:func:`~atoll.node.net.rounds.run_matchmaking`):
-   a ready record in the DHT, a group among peers of equal ``(v, d)``, or Alone;
-3. a formed group runs the all-reduce (:func:`~atoll.node.net.rounds.run_allreduce`)
-   under the key ``(run, p, slot)``, so that two syncs of one version never share a key;
-   Done is delivered to the engine and the new global copy written to shared memory;
-   Alone or Failed skips the round (nothing applied);
-4. if the DHT view of the slot shows that the swarm's leading state of ``p``
-   (:func:`~atoll.protocol.statesync.leading_state`) is not this peer's, the peer rebases:
-   it fetches that state from a peer that holds it and the outcome carries the new
-   global copy (``applied=True``, reason ``rebased ...``), merged by the trainer.
+2. if the live peers' records already show that the swarm's leading state of ``p``
+   (:func:`~atoll.protocol.statesync.leading_state`) is not this peer's, it rebases at
+   once (step 5) instead of looking for a group;
+3. matchmaking at slot ``v`` (:func:`~atoll.node.net.rounds.run_matchmaking`): a ready
+   record in the DHT, a group among peers of equal ``(v, d)``, or Alone. The slot is the
+   fragment's *version*, not a step count: peers of different speeds that hold the same
+   global copy meet at the same slot (a faster one waits in the network process, up to
+   ``matchmaking_s``, while its trainer goes on), and a peer that missed a round rebases
+   and meets the others at the next version;
+4. a formed group runs the all-reduce (:func:`~atoll.node.net.rounds.run_allreduce`)
+   under the key ``(run, p, v)``; Done is delivered to the engine and the new global
+   copy written to shared memory; Alone or Failed skips the round (nothing applied);
+5. if the slot's declarations or the live records show the leading state elsewhere, the
+   peer rebases: it fetches that state from a peer that holds it, and the outcome carries
+   the new global copy (``applied=True``, reason ``rebased ...``), merged by the trainer.
 
 At start, before reporting ready, a peer catches up: it reads the peers' records and
 rebases every fragment whose leading state is not its own, and tells the trainer the
@@ -83,7 +88,7 @@ __all__ = ["JoinFailed", "SwarmStats", "join_swarm", "swarm_worker"]
 logger = logging.getLogger(__name__)
 
 _RECORD_TTL_S = 120.0  # lifetime of a published peer record; refreshed at a third of it
-_READY_TTL_S = 120.0
+_READY_TTL_SLACK_S = 10.0  # a ready record lives 2 x matchmaking_s plus this
 _INFO_EVERY_S = 1.0
 _PEERS_EVERY_S = 5.0  # how often the live peers of the run are read from the DHT
 _REPUBLISH_MIN_S = 2.0  # a changed peer record goes out at most this often
@@ -227,7 +232,7 @@ class _Swarm:
         self._rate_mark = (time.monotonic(), 0)
         self.peers_seen: set[str] = set()
         self._published: tuple[tuple[int, ...], tuple[str, ...], float] = ((), (), 0.0)
-        self.live: dict[str, float] = {}  # peers of the run with a live record -> expiry
+        self.live: dict[str, PeerRecord] = {}  # peers of the run with a live record
 
     # -- state server ------------------------------------------------------------------
     async def on_request(self, sender: str, msg: object) -> None:
@@ -313,9 +318,34 @@ class _Swarm:
         status = "applied" if outcome.applied else outcome.reason.split(":")[0]
         if outcome.reason.startswith("rebased"):
             status = "rebased"
-        entry = (p, step // self.manifest.H, status, round(trio.current_time() - t0, 3))
+        entry = (p, outcome.round, status, round(trio.current_time() - t0, 3))
         self.stats.outcomes = [*self.stats.outcomes[-_HISTORY + 1 :], entry]
         return outcome
+
+    def _live_holdings(self, p: int) -> list[tuple[str, int, str]]:
+        """(peer, version, digest) of fragment ``p`` from the live peers' records."""
+        return [
+            (r.peer_id, r.versions[p], r.digests[p])
+            for r in self.live.values()
+            if len(r.versions) > p and len(r.digests) > p and r.digests[p]
+        ]
+
+    async def _maybe_rebase(
+        self, p: int, step: int, round_: int, holdings: list[tuple[str, int, str]]
+    ) -> SyncOutcome | None:
+        """Rebase fragment ``p`` when ``holdings`` show the swarm leads elsewhere; the
+        outcome of the sync then, or None when this peer holds the leading state."""
+        mine = (self.engine.version(p), await trio.to_thread.run_sync(self.engine.digest, p))
+        if not ss.should_rebase(self.host.peer_id, mine, holdings):
+            return None
+        target = ss.leading_state([*holdings, (self.host.peer_id, *mine)])
+        assert target is not None
+        holders = [peer for peer, v, d in holdings if (v, d) == target]
+        if await self.rebase(p, holders, target) is None:
+            return None
+        version = self.engine.version(p)
+        self.stats.last_sync[p] = f"rebased v{version}"
+        return SyncOutcome(p, step, True, round_, f"rebased to version {version}")
 
     async def _sync(self, p: int, step: int, tokens: int) -> SyncOutcome:
         manifest = self.manifest
@@ -328,7 +358,17 @@ class _Swarm:
                 self.engine.begin, p, self.shared.local(p), step
             )
             digest = await trio.to_thread.run_sync(self.engine.digest, p)
-        slot = step // manifest.H
+        # peers known to be ahead: copy their state instead of looking for a group
+        try:
+            rebased = await self._maybe_rebase(p, step, request.round, self._live_holdings(p))
+        except BaseException:
+            self.engine.skip(p, "cancelled")
+            raise
+        if rebased is not None:
+            return rebased
+        # the rendezvous of a round is the fragment's version, not the step: peers of
+        # different speeds that hold the same global copy meet at the same slot
+        slot = request.round
         me = mm.Declaration(
             self.run_id,
             p,
@@ -356,7 +396,7 @@ class _Swarm:
                 me,
                 self.group_settings(),
                 timeout_s=manifest.timeouts.matchmaking_s,
-                ttl_s=_READY_TTL_S,
+                ttl_s=2 * manifest.timeouts.matchmaking_s + _READY_TTL_SLACK_S,
                 wall=time.time,
                 poll_s=self.poll_s,
                 view=on_view,
@@ -377,16 +417,10 @@ class _Swarm:
             outcome.reason or "applied",
             ", ".join(f"{peer[-6:]} v{v} {d[:6]}" for peer, v, d in holdings) or "none",
         )
-        mine = (self.engine.version(p), await trio.to_thread.run_sync(self.engine.digest, p))
-        if ss.should_rebase(self.host.peer_id, mine, holdings):
-            target = ss.leading_state([*holdings, (self.host.peer_id, *mine)])
-            assert target is not None
-            holders = [peer for peer, v, d in holdings if (v, d) == target]
-            if await self.rebase(p, holders, target) is not None:
-                version = self.engine.version(p)
-                self.stats.last_sync[p] = f"rebased v{version}"
-                return SyncOutcome(p, step, True, request.round, f"rebased to version {version}")
-        return outcome
+        live = {peer: (peer, v, d) for peer, v, d in self._live_holdings(p)}
+        live.update((peer, (peer, v, d)) for peer, v, d in holdings)
+        rebased = await self._maybe_rebase(p, step, request.round, list(live.values()))
+        return rebased if rebased is not None else outcome
 
     async def _skip(self, p: int, step: int, round_: int, reason: str) -> SyncOutcome:
         async with self.lock:
@@ -498,10 +532,12 @@ class _Swarm:
         """Take in the peer records of the run (the live set sizes the groups)."""
         now = time.time()
         for r in records:
-            if r.peer_id != self.host.peer_id:
-                self.live[r.peer_id] = r.expires_at
+            held = self.live.get(r.peer_id)
+            if r.peer_id != self.host.peer_id and (held is None or r.issued_at >= held.issued_at):
+                self.live[r.peer_id] = r
                 self.peers_seen.add(r.peer_id)
-        self.live = {p: t for p, t in self.live.items() if t > now}
+                self.host.add_addrs(r.peer_id, r.addrs, ttl_s=r.expires_at - now)
+        self.live = {p: r for p, r in self.live.items() if r.expires_at > now}
 
     async def watch_peers(self) -> None:
         """Refresh the set of live peers from the DHT every :data:`_PEERS_EVERY_S`."""
