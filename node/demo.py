@@ -53,6 +53,11 @@ class DemoConfig:
     refresh_s: float = 3.0
     workdir: str | None = None
     """keep the nodes' files (identities, logs, manifest) here instead of a temp folder"""
+    wanlab: str | None = None
+    """path of the wanlab tool: run node i (and the bootstrap, in node 0) inside wanlab's
+    namespace i, on its address (the lab must be up with at least ``nodes`` nodes)"""
+    timeouts_scale: float = 1.0
+    """multiply the manifest's timeouts (slow links)"""
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -81,9 +86,9 @@ max_size = {max(2, cfg.nodes)}
 grace_s = 3.0
 
 [timeouts]
-matchmaking_s = 15.0
-part_s = 20.0
-round_s = 40.0
+matchmaking_s = {15.0 * cfg.timeouts_scale}
+part_s = {20.0 * cfg.timeouts_scale}
+round_s = {40.0 * cfg.timeouts_scale}
 apply_wait_s = 5.0
 """
 
@@ -133,17 +138,32 @@ def _table(children: list[_Child]) -> str:
     return "\n".join(rows)
 
 
-def _start_bootstrap(work: Path) -> tuple[subprocess.Popen[str], str]:
+def _wrap(cfg: DemoConfig, i: int) -> list[str]:
+    """The command prefix that runs a process as node ``i`` (wanlab's namespace i)."""
+    return [cfg.wanlab, "exec", str(i)] if cfg.wanlab else []
+
+
+def _listen(cfg: DemoConfig, i: int) -> str:
+    if not cfg.wanlab:
+        return "/ip4/127.0.0.1/tcp/0"
+    ip = subprocess.run(
+        [cfg.wanlab, "ip", str(i)], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
+    return f"/ip4/{ip}/tcp/0"
+
+
+def _start_bootstrap(cfg: DemoConfig, work: Path) -> tuple[subprocess.Popen[str], str]:
     addr_file = work / "bootstrap.addr"
     log = (work / "bootstrap.log").open("w")
     proc = subprocess.Popen(
         [
+            *_wrap(cfg, 0),
             *_python(),
             "bootstrap",
             "--identity",
             str(work / "bootstrap.key"),
             "--listen",
-            "/ip4/127.0.0.1/tcp/0",
+            _listen(cfg, 0),
             "--addr-file",
             str(addr_file),
         ],
@@ -192,7 +212,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stderr) -> dict[str, Any]:
         file=out,
         flush=True,
     )
-    boot, addr = _start_bootstrap(work)
+    boot, addr = _start_bootstrap(cfg, work)
     children: list[_Child] = []
     interrupted = False
     t0 = time.monotonic()
@@ -201,6 +221,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stderr) -> dict[str, Any]:
             log = (work / f"node{i}.log").open("w")
             proc = subprocess.Popen(
                 [
+                    *_wrap(cfg, i),
                     *_python(),
                     "-v",
                     "node",
@@ -211,13 +232,15 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stderr) -> dict[str, Any]:
                     "--identity",
                     str(work / f"node{i}.key"),
                     "--listen",
-                    "/ip4/127.0.0.1/tcp/0",
+                    _listen(cfg, i),
                     "--steps",
                     str(cfg.steps),
                     "--progress",
                     "jsonl",
                     "--threads",
                     str(cfg.threads),
+                    "--wait-peers",
+                    str(cfg.nodes - 1),
                     "--log-every",
                     str(max(1, cfg.H // 5)),
                 ],
@@ -272,6 +295,10 @@ def _summary(
                 "rounds_alone": s.get("rounds_alone"),
                 "rebases": s.get("rebases"),
                 "utilisation": s.get("utilisation"),
+                "tokens": s.get("tokens"),
+                "wall_s": s.get("wall_s"),
+                "compute_s": s.get("compute_s"),
+                "tokens_per_s": (s["tokens"] / s["wall_s"]) if s.get("wall_s") else None,
                 "net_wait_s": s.get("net_wait_s"),
                 "global_digest": s.get("global_digest"),
             }

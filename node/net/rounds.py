@@ -280,12 +280,15 @@ async def run_matchmaking(
     wall: Callable[[], float],
     poll_s: float = 0.5,
     view: Callable[[list[mm.Declaration]], None] | None = None,
+    background: trio.Nursery | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
     ``view`` is called with every DHT view of the slot (all declarations, compatible or
     not: the caller learns from them which states the swarm holds). ``ttl_s`` is the
     lifetime of the published ready record; ``wall`` the clock records are stamped with.
+    ``background``: see :func:`run_allreduce` (the DHT polls and announcements run there
+    too, and stop at their next turn).
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
@@ -293,9 +296,15 @@ async def run_matchmaking(
     machine = mm.Matchmaker(me, settings, now=now, timeout=timeout_s)
     outcome: mm.Formed | mm.Alone | None = None
     mailbox.open(key, send_ch)
+    stop = trio.Event()
     try:
-        async with trio.open_nursery() as nursery:
-            runner = _Runner(host, nursery, send_ch)
+        async with contextlib.AsyncExitStack() as stack:
+            io: trio.Nursery = (
+                background
+                if background is not None
+                else await stack.enter_async_context(trio.open_nursery())
+            )
+            runner = _Runner(host, io, send_ch)
 
             async def announce() -> None:
                 issued = wall()
@@ -308,19 +317,20 @@ async def run_matchmaking(
                     logger.info("announcing ready for fragment %d failed: %s", me.fragment, e)
 
             async def poll() -> None:
-                while True:
+                while not stop.is_set():
                     try:
                         records = await dht.find_ready(me.fragment, me.slot)
                         decls = [r.to_declaration() for r in records]
                         send_ch.send_nowait(("view", decls))
                     except AtollError as e:
                         logger.debug("find_ready fragment %d failed: %s", me.fragment, e)
-                    except trio.WouldBlock:
+                    except (trio.WouldBlock, trio.ClosedResourceError):
                         pass
-                    await trio.sleep(poll_s)
+                    with trio.move_on_after(poll_s):
+                        await stop.wait()
 
-            nursery.start_soon(announce)
-            nursery.start_soon(poll)
+            io.start_soon(announce)
+            io.start_soon(poll)
             actions = machine.tick(trio.current_time())
             while True:
                 for action in actions:
@@ -342,11 +352,15 @@ async def run_matchmaking(
                     if view is not None:
                         view(event[1])
                     actions = machine.observe(event[1], now=now)
-            # the last messages (GroupFormed to the members, a Disband) must still go out
-            with trio.move_on_after(min(5.0, timeout_s)):
-                await runner.idle.wait()
-            nursery.cancel_scope.cancel()
+            stop.set()
+            if background is None:
+                # the last messages (GroupFormed to the members, a Disband) must still go
+                # out; what is left after the linger is cancelled (see run_allreduce)
+                with trio.move_on_after(min(5.0, timeout_s)):
+                    await runner.idle.wait()
+                io.cancel_scope.cancel()
     finally:
+        stop.set()
         mailbox.close(key)
     return outcome
 
@@ -367,8 +381,16 @@ async def run_allreduce(
     linger_s: float = 10.0,
     traffic: RoundTraffic | None = None,
     checkpoint: Callable[[str], None] | None = None,
+    background: trio.Nursery | None = None,
 ) -> ar.Done | ar.Failed:
     """Run this node's side of one all-reduce round; Done or Failed, within the timeouts.
+
+    ``background``: a long-lived nursery for the sends. They then finish on their own
+    (each bounded by the host's ``send_timeout_s``) after the outcome is returned, and are
+    never cancelled by the end of the round: a write cancelled half-way leaves a partial
+    frame in the connection's encrypted stream, and py-libp2p then loses the *whole
+    connection* (every stream on it, the DHT's too). Without it the sends get
+    ``linger_s`` after the outcome and are cancelled after that.
 
     ``checkpoint`` (fault injection for tests) is called with ``"start"`` before the
     first part goes out, ``"part_sent"`` once one part has been written, and
@@ -406,8 +428,13 @@ async def run_allreduce(
             if parts_sent == len(spec.members) - 1:
                 checkpoint("parts_sent")
 
-        async with trio.open_nursery() as nursery:
-            runner = _Runner(host, nursery, send_ch, on_sent)
+        async with contextlib.AsyncExitStack() as stack:
+            io: trio.Nursery = (
+                background
+                if background is not None
+                else await stack.enter_async_context(trio.open_nursery())
+            )
+            runner = _Runner(host, io, send_ch, on_sent)
             if checkpoint is not None:
                 checkpoint("start")
             actions = machine.start()
@@ -427,10 +454,11 @@ async def run_allreduce(
                     actions = machine.receive(event[1], now=now)
                 else:
                     actions = machine.peer_lost(event[1], now=now)
-            # our reduced chunk (or our Abort) is still on its way to the others
-            with trio.move_on_after(linger_s):
-                await runner.idle.wait()
-            nursery.cancel_scope.cancel()
+            if background is None:
+                # our reduced chunk (or our Abort) is still on its way to the others
+                with trio.move_on_after(linger_s):
+                    await runner.idle.wait()
+                io.cancel_scope.cancel()
     finally:
         mailbox.close(key)
         if traffic is not None:

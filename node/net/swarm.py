@@ -233,6 +233,7 @@ class _Swarm:
         self.peers_seen: set[str] = set()
         self._published: tuple[tuple[int, ...], tuple[str, ...], float] = ((), (), 0.0)
         self.live: dict[str, PeerRecord] = {}  # peers of the run with a live record
+        self.background: trio.Nursery | None = None  # where sends finish (rounds.py)
 
     # -- state server ------------------------------------------------------------------
     async def on_request(self, sender: str, msg: object) -> None:
@@ -400,6 +401,7 @@ class _Swarm:
                 wall=time.time,
                 poll_s=self.poll_s,
                 view=on_view,
+                background=self.background,
             )
             if isinstance(found, mm.Alone):
                 self.stats.rounds_alone += 1
@@ -450,6 +452,7 @@ class _Swarm:
             round_timeout_s=manifest.timeouts.round_s,
             traffic=traffic,
             checkpoint=self.fault(p, slot),
+            background=self.background,
         )
         self.stats.round_s.append(round(traffic.seconds, 3))
         self.stats.round_bytes.append(traffic.bytes_sent)
@@ -657,6 +660,7 @@ async def swarm_worker(
     ):
         serve_status(host.libp2p_host, dht.value_store)
         swarm = _Swarm(shared, outbox, manifest, host, dht, engine, poll_s)
+        swarm.background = nursery
         nursery.start_soon(swarm.mailbox.run)
         joined = await join_swarm(
             host, dht, join, timeout_s=join_timeout_s, dial_s=manifest.timeouts.dial_s
