@@ -75,7 +75,7 @@ def test_a_late_peer_finds_the_swarm_through_the_dht_and_catches_up(local_swarm:
     swarm = local_swarm
     swarm.start_bootstrap()
     run = swarm.write_manifest("run", swarm.manifest())
-    early = [swarm.start_node(f"n{i}", run, steps=70, wait_peers=1) for i in range(2)]
+    early = [swarm.start_node(f"n{i}", run, steps=130, wait_peers=1) for i in range(2)]
     deadline_steps = 25
     t0 = time.monotonic()
     while min(n.progress.get("step", 0) for n in early) < deadline_steps:
