@@ -142,7 +142,11 @@ except importlib.metadata.PackageNotFoundError:  # running from a bare checkout
 """What this node says it runs, in its Hello."""
 
 _HEADER = struct.Struct(">I")  # the frame header of atoll.protocol.messages.frame
-_READ_CHUNK = 1 << 20  # yamux hands over whatever it holds, up to this much per read
+_READ_CHUNK = 64 << 20
+"""Most bytes one read takes from yamux. py-libp2p 0.8.1 serves ``read(n)`` from a
+bytearray of up to 16 MiB (its largest window) with ``bytes(buf[:n]); del buf[:n]``, which
+moves the rest of the buffer on every read; asking for more than it holds takes all of it
+in one copy (``bytes(buf); buf.clear()``)."""
 _CLEANUP_S = 1.0  # bound on a stream reset done while failing or shutting down
 _CLOSE_S = 5.0  # bound on closing the host (SwarmConn.close sleeps 0.1 s per connection)
 _LS_TIMEOUT_S = 2  # bound on asking a peer which protocols it serves (error path only)
@@ -831,6 +835,7 @@ def _build_host(
         raise ConfigError(f"HostConfig.listen holds a bad multiaddr: {e}") from None
     listen = [multiaddr.Multiaddr(exclusive_listen_addr(str(a))) for a in listen]
     _configure_libp2p_logging()
+    _tune_yamux()
 
     key_pair = create_new_key_pair(identity.private_bytes())
     if str(ID.from_pubkey(key_pair.public_key)) != identity.peer_id:
@@ -947,6 +952,26 @@ def _describe(error: BaseException) -> str:
     text = str(error)
     name = type(error).__name__
     return f"{name}: {text}" if text else name
+
+
+def _tune_yamux() -> None:
+    """Make every yamux frame fit one Noise message.
+
+    py-libp2p 0.8.1 cuts stream data into yamux frames of 64 KiB (12-byte header
+    included), while a Noise transport message carries at most 65,519 bytes of plaintext
+    (65,535 minus the 16-byte tag): every full frame went out as two Noise messages, two
+    encryptions and two socket writes, one of them 17 bytes. Frames of at most 65,519
+    bytes are valid yamux (a receiver takes any length within its window). The module
+    constant is read at each write, so setting it here takes effect for the process.
+    """
+    try:
+        from libp2p.security.noise import io as noise_io
+        from libp2p.stream_muxer.yamux import yamux
+    except ImportError:  # another libp2p layout: leave it alone
+        return
+    limit = getattr(noise_io, "MAX_PLAINTEXT_LENGTH", None)
+    if isinstance(limit, int) and getattr(yamux, "MAX_MESSAGE_SIZE", 0) > limit:
+        yamux.MAX_MESSAGE_SIZE = limit
 
 
 def _configure_libp2p_logging() -> None:
