@@ -9,6 +9,7 @@ global copy it held).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -150,3 +151,53 @@ def test_an_unreachable_join_address_fails_with_the_reason(local_swarm: Any) -> 
     err = node.stderr()
     assert "cannot join the swarm" in err and "unreachable" in err, err[-2000:]
     assert "Traceback" not in err
+
+
+def test_ctrl_c_stops_a_node_cleanly_within_seconds(local_swarm: Any) -> None:
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    run = swarm.write_manifest("run", swarm.manifest())
+    node = swarm.start_node("n", run, steps=100_000)
+    t0 = time.monotonic()
+    while node.progress.get("step", 0) < 5:
+        assert time.monotonic() - t0 < 120 and node.proc.poll() is None, node.tail()
+        time.sleep(0.2)
+    node.proc.send_signal(signal.SIGINT)
+    t_stop = time.monotonic()
+    assert node.wait(30) == 0, node.tail()
+    assert time.monotonic() - t_stop < 15
+    assert node.summary["stopped_by"] == "SIGINT"
+    assert "Traceback" not in node.stderr()
+
+
+def test_atoll_demo_runs_a_small_swarm_and_writes_its_summary(tmp_path: Any) -> None:
+    out = tmp_path / "demo.json"
+    done = subprocess.run(
+        [
+            *CLI,
+            "demo",
+            "--nodes",
+            "2",
+            "--steps",
+            "30",
+            "--H",
+            "10",
+            "--tau",
+            "3",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and len(summary["nodes"]) == 2
+    for node in summary["nodes"]:
+        assert node["last_loss"] < node["first_loss"]
+        assert node["rounds_applied"] >= 1
+    assert summary["bytes_ratio"] > 10  # far fewer bytes than data-parallel
+    assert "data-parallel would have sent" in done.stderr
