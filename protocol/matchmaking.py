@@ -1,8 +1,9 @@
 """Matchmaking: which ready peers average one fragment's round together, and who leads.
 
 When a peer reaches fragment ``p``'s sync step it publishes a :class:`Declaration` for
-``(run, fragment, slot)`` in the DHT, where ``slot`` counts the syncs of that fragment and
-every peer derives it from its step. Peers see each other's declarations late and not all
+``(run, fragment, slot)`` in the DHT, where ``slot`` names the rendezvous every peer of
+that sync computes alike (the swarm uses the fragment's global version, so peers of
+different speeds meet; see :mod:`atoll.node.net.swarm`). Peers see each other's declarations late and not all
 at once, so there is no moment at which everybody sees the same set. Decoupled DiLoCo
 (arXiv 2604.21428, section 3 of ALGORITHMS.md) asks for a minimum quorum, a grace window
 for late peers and a cap on the group; :class:`Matchmaker` is one peer's side of forming
@@ -121,8 +122,8 @@ _ID = {"max_len": _ID_MAX}
 class Declaration:
     """What a peer publishes in the DHT when it is ready to sync a fragment.
 
-    ``slot`` is which sync of ``fragment`` this is (the same number on every peer, derived
-    from the step). ``version`` is the fragment's global version (the round of
+    ``slot`` names the rendezvous of this sync of ``fragment`` (the same number on every
+    peer; the swarm uses the version). ``version`` is the fragment's global version (the round of
     :class:`~atoll.protocol.allreduce.RoundKey`) and ``digest`` a hex hash of the global
     fragment copy: peers whose copies differ must not average together. ``weight`` (tokens
     since the fragment's last sync) and ``declared_at`` (the sender's wall clock) are

@@ -589,6 +589,10 @@ class _Swarm:
             "peer_id": self.host.peer_id,
             "peers_seen": len(self.peers_seen),
             "dht_peers": len(self.dht.routing_table_peers()),
+            "bytes_per_peer": {
+                peer: [self.host.bytes_sent.get(peer, 0), self.host.bytes_received.get(peer, 0)]
+                for peer in list(self.host.bytes_sent)[:64]
+            },
             "bytes_up": sum(self.host.bytes_sent.values()),
             "bytes_down": sum(self.host.bytes_received.values()),
             "rounds_applied": s.rounds_applied,
