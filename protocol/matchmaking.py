@@ -3,11 +3,12 @@
 When a peer reaches fragment ``p``'s sync step it publishes a :class:`Declaration` for
 ``(run, fragment, slot)`` in the DHT, where ``slot`` names the rendezvous every peer of
 that sync computes alike (the swarm uses the fragment's global version, so peers of
-different speeds meet; see :mod:`atoll.node.net.swarm`). Peers see each other's declarations late and not all
-at once, so there is no moment at which everybody sees the same set. Decoupled DiLoCo
-(arXiv 2604.21428, section 3 of ALGORITHMS.md) asks for a minimum quorum, a grace window
-for late peers and a cap on the group; :class:`Matchmaker` is one peer's side of forming
-such a group, as a sans-IO state machine (events in, :data:`Action` values out).
+different speeds meet; see :mod:`atoll.node.net.swarm`). Peers see each other's
+declarations late and not all at once, so there is no moment at which everybody sees the
+same set. Decoupled DiLoCo (arXiv 2604.21428, section 3 of ALGORITHMS.md) asks for a
+minimum quorum, a grace window for late peers and a cap on the group;
+:class:`Matchmaker` is one peer's side of forming such a group, as a sans-IO state
+machine (events in, :data:`Action` values out).
 
 THE RULE. Two declarations can share a group only if their :func:`compat_key` is equal:
 same run, fragment, slot, global version and digest of the global fragment copy, so peers

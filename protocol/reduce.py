@@ -46,6 +46,7 @@ __all__ = [
 F32Array = npt.NDArray[np.float32]
 
 _NORM_STEP = 1 << 20  # values per slice when norms and rescaling run in float64
+_ACC_STEP = 1 << 16  # values per slice of the weighted sum (stays in the CPU cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +110,22 @@ def weighted_mean(contributions: Sequence[Contribution], codec: Codec, numel: in
     n = _check_size(numel, "numel")
     w = _weights(contributions)
     acc = np.zeros(n, dtype=np.float32)
+    # acc += w_i * x_i slice by slice through one small buffer: the same float32 products
+    # and sums as whole-array arithmetic, without a full-size temporary per contribution.
+    tmp = np.empty(min(n, _ACC_STEP), dtype=np.float32)
     for i, c in enumerate(contributions):
         try:
             x = codec.decode(c.payload, n)
         except CodecError as e:
             raise CodecError(f"contribution {i}: {e}") from e
-        acc += np.float32(w[i]) * x
-    if n and not np.isfinite(acc).all():
+        wi = np.float32(w[i])
+        for j in range(0, n, _ACC_STEP):
+            t = tmp[: min(_ACC_STEP, n - j)]
+            np.multiply(x[j : j + _ACC_STEP], wi, out=t)
+            np.add(acc[j : j + _ACC_STEP], t, out=acc[j : j + _ACC_STEP])
+        del x
+    # all finite <=> max and min finite (a NaN propagates into both); no bool temporary
+    if n and not (np.isfinite(np.maximum.reduce(acc)) and np.isfinite(np.minimum.reduce(acc))):
         raise RejectedInput("the weighted mean overflowed float32")
     return acc
 

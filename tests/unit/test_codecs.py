@@ -528,3 +528,282 @@ def test_slice_payload_refusals(codec: Codec) -> None:
             codec.slice_payload(payload, n, 1, n)
         with pytest.raises(ConfigError):
             codec.slice_payload(payload, n, 0, codec.align + 1)
+
+
+# --------------------------------------------------------------------------------------
+# bit-exactness against a straightforward reference
+# --------------------------------------------------------------------------------------
+# The codecs are written for speed (chunked, bit tricks, lookup tables). These are the
+# plain whole-array implementations they replaced; the fast ones must give the very same
+# payload bytes, decoded bits and random draws.
+_SQRT_HALF_UP_REF = np.float32(math.sqrt(0.5))
+if float(_SQRT_HALF_UP_REF) < math.sqrt(0.5):
+    _SQRT_HALF_UP_REF = np.nextafter(_SQRT_HALF_UP_REF, np.float32(1.0))
+
+
+def _ref_pad_blocks(a: np.ndarray, block: int) -> np.ndarray:
+    nb = -(-a.size // block)
+    out = np.zeros(nb * block, dtype=np.float32)
+    out[: a.size] = a
+    return out.reshape(nb, block)
+
+
+def _reference_encode(codec: Codec, x: np.ndarray, rng: np.random.Generator | None = None) -> bytes:
+    a = np.asarray(x, dtype=np.float32).reshape(-1)
+    n = a.size
+    if isinstance(codec, Bf16Codec):
+        bits = a.view(np.uint32)
+        hi = ((bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+        assert not ((hi & 0x7F80) == 0x7F80).any()
+        return hi.astype("<u2").tobytes()
+    if n == 0:
+        return b""
+    if isinstance(codec, Int8Codec):
+        m = _ref_pad_blocks(a, codec.block)
+        scale = (np.abs(m).max(axis=1) / np.float32(127)).astype(np.float32)
+        with np.errstate(over="ignore"):
+            big = ~np.isfinite(scale * np.float32(127))
+        if big.any():
+            scale[big] = np.nextafter(scale[big], np.float32(0))
+        q = np.zeros(m.shape, dtype=np.float32)
+        np.divide(m, scale[:, None], out=q, where=scale[:, None] > 0)
+        codes = np.clip(np.rint(q), -127, 127).astype(np.int8).reshape(-1)[:n]
+        return scale.astype("<f4").tobytes() + codes.tobytes()
+    assert isinstance(codec, E3M0Codec)
+    m = _ref_pad_blocks(a, codec.block)
+    absmax = np.abs(m).max(axis=1)
+    up = (absmax.view(np.uint32) >> 16) + ((absmax.view(np.uint32) & 0xFFFF) != 0)
+    up = up.astype(np.uint32)
+    assert not (up >= 0x7F80).any()
+    s = (up << 16).view(np.float32)
+    r = np.zeros(m.shape, dtype=np.float32)
+    np.divide(np.abs(m), s[:, None], out=r, where=s[:, None] > 0)
+    mant, expo = np.frexp(r)
+    if codec.rounding == "nearest":
+        k = (-expo + (mant < _SQRT_HALF_UP_REF)).astype(np.int32)
+        np.minimum(k, 6, out=k)
+        k[r < np.float32(2.0**-7)] = 7
+    else:
+        gen = rng if rng is not None else np.random.default_rng()
+        u = gen.random(r.shape, dtype=np.float32)
+        k = (1 - expo - (u < 2 * mant - 1)).astype(np.int32)
+        low = r < np.float32(2.0**-6)
+        k[low] = np.where(u[low] < r[low] * np.float32(64.0), 6, 7)
+    neg = np.signbit(m) & (k != 7)
+    codes = (k.astype(np.uint8) | (neg.astype(np.uint8) << 3)).reshape(-1)[: n + (n & 1)]
+    packed = codes[0::2] | (codes[1::2] << 4)
+    return up.astype("<u2").tobytes() + packed.tobytes()
+
+
+def _reference_decode(codec: Codec, data: bytes, n: int) -> np.ndarray:
+    if isinstance(codec, Bf16Codec):
+        hi = np.frombuffer(data, dtype="<u2", count=n).astype(np.uint32)
+        return (hi << 16).view(np.float32)
+    if n == 0:
+        return np.zeros(0, dtype=np.float32)
+    nb = -(-n // codec.align)
+    if isinstance(codec, Int8Codec):
+        scale = np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32)
+        codes = np.frombuffer(data, dtype=np.int8, count=n, offset=4 * nb)
+        out = np.zeros(nb * codec.block, dtype=np.float32)
+        out[:n] = codes
+        out.reshape(nb, codec.block)[...] *= scale[:, None]
+        return out[:n]
+    assert isinstance(codec, E3M0Codec)
+    s = (np.frombuffer(data, dtype="<u2", count=nb).astype(np.uint32) << 16).view(np.float32)
+    pow2 = np.array([2.0**-j for j in range(7)] + [0.0], dtype=np.float32)
+    mags = s[:, None] * pow2[None, :]
+    table = np.concatenate([mags, -mags], axis=1)
+    table[:, 15] = 0.0
+    packed = np.frombuffer(data, dtype=np.uint8, count=(n + 1) // 2, offset=2 * nb)
+    codes = np.full(nb * codec.block, 7, dtype=np.uint8)
+    pairs = codes[: 2 * packed.size].reshape(-1, 2)
+    pairs[:, 0] = packed & 0x0F
+    pairs[:, 1] = packed >> 4
+    if n & 1:
+        codes[n] = 7
+    out = np.take_along_axis(table, codes.reshape(nb, codec.block), axis=1)
+    return out.reshape(-1)[:n]
+
+
+EXACT_CODECS: list[Codec] = [
+    Bf16Codec(),
+    Int8Codec(),
+    Int8Codec(block=5),
+    Int8Codec(block=1),
+    E3M0Codec(),
+    E3M0Codec(block=2),
+    E3M0Codec(block=6),
+    E3M0Codec(rounding="stochastic"),
+    E3M0Codec(block=4, rounding="stochastic"),
+]
+EXACT_IDS = [repr(c) for c in EXACT_CODECS]
+
+# magnitudes from subnormal to near the largest float32, signed zeros, ties and repeats
+_special32 = st.sampled_from(
+    [0.0, -0.0, 1.0, -1.0, 2.0**-149, -(2.0**-149), 2.0**-126, 1.5 * 2.0**-130, 3.0e38,
+     -3.3e38, 2.0**-7, 2.0**-6, 0.70710677, 0.7071068, 65504.0, 1e-30]
+)  # fmt: skip
+_any32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+_wide32 = st.one_of(finite32, _special32, _any32)
+
+
+@st.composite
+def _exact_inputs(draw: st.DrawFn) -> np.ndarray:
+    n = draw(st.integers(0, 700))
+    kind = draw(st.sampled_from(["elements", "scaled-normal", "zeros", "blocky"]))
+    if kind == "elements":
+        return draw(hnp.arrays(np.float32, n, elements=_wide32))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "zeros":
+        x = np.zeros(n, np.float32)
+        x[rng.random(n) < 0.5] = -0.0
+        return x
+    if kind == "scaled-normal":
+        exp = draw(st.integers(-149, 126))
+        with np.errstate(over="ignore", under="ignore"):
+            return (rng.standard_normal(n) * 2.0**exp).astype(np.float32)
+    # blocks of wildly different magnitudes, some all zero, some subnormal
+    e = rng.integers(-160, 120, size=n // 3 + 1).repeat(3)[:n]
+    x = (rng.standard_normal(n) * np.exp2(e)).astype(np.float32)
+    x[rng.random(n) < 0.2] = 0.0
+    return x
+
+
+def _draw_state(rng: np.random.Generator) -> object:
+    def plain(v: object) -> object:
+        if isinstance(v, dict):
+            return {k: plain(w) for k, w in v.items()}
+        return v.tolist() if isinstance(v, np.ndarray) else v
+
+    return plain(rng.bit_generator.state)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_exact_inputs(), st.sampled_from(range(len(EXACT_CODECS))), st.integers(0, 3))
+def test_codecs_bit_exact_against_reference(x: np.ndarray, which: int, gen: int) -> None:
+    codec = EXACT_CODECS[which]
+    if isinstance(codec, Bf16Codec):
+        x = x[np.abs(x) < 3.3e38]  # larger values overflow bfloat16 and are refused
+    bitgen = [np.random.PCG64, np.random.MT19937, np.random.Philox, np.random.SFC64][gen]
+    r1 = np.random.Generator(bitgen(5))
+    r2 = np.random.Generator(bitgen(5))
+    try:
+        expected = _reference_encode(codec, x, r2)
+    except AssertionError:  # a scale beyond bfloat16: the codec must refuse it too
+        with pytest.raises(CodecError):
+            codec.encode(x, rng=r1)
+        return
+    payload = codec.encode(x, rng=r1)
+    assert payload == expected
+    # the stochastic encoder consumes the generator exactly like the reference
+    assert _draw_state(r1) == _draw_state(r2)
+    assert r1.random(3, dtype=np.float32).tobytes() == r2.random(3, dtype=np.float32).tobytes()
+    got = codec.decode(payload, x.size)
+    want = _reference_decode(codec, payload, x.size)
+    assert got.dtype == np.float32 and got.shape == (x.size,)
+    assert got.tobytes() == want.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(range(len(EXACT_CODECS))), st.integers(0, 700), st.data())
+def test_decode_bit_exact_on_arbitrary_codes(which: int, n: int, data: st.DataObject) -> None:
+    # payloads no encoder would write (any nibble, any valid scale) decode like the reference
+    codec = EXACT_CODECS[which]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    raw = bytearray(rng.integers(0, 256, codec.encoded_size(n), dtype=np.uint8).tobytes())
+    nb = -(-n // codec.align) if n else 0
+    if isinstance(codec, E3M0Codec):
+        s = rng.integers(0, 0x7F80, nb, dtype=np.uint16)  # valid: positive, finite
+        raw[: 2 * nb] = s.astype("<u2").tobytes()
+    elif isinstance(codec, Int8Codec):
+        s = (rng.random(nb) * np.exp2(rng.integers(-150, 100, nb))).astype(np.float32)
+        raw[: 4 * nb] = s.astype("<f4").tobytes()
+        codes = np.frombuffer(raw, np.int8, count=n, offset=4 * nb).copy()
+        codes[codes == -128] = 127
+        raw[4 * nb :] = codes.tobytes()
+    else:
+        hi = np.frombuffer(raw, "<u2").copy()
+        hi[(hi & 0x7F80) == 0x7F80] &= 0x807F
+        raw[:] = hi.tobytes()
+    payload = bytes(raw)
+    got = codec.decode(payload, n)
+    assert got.tobytes() == _reference_decode(codec, payload, n).tobytes()
+
+
+@pytest.mark.parametrize("codec", EXACT_CODECS, ids=EXACT_IDS)
+def test_codecs_bit_exact_large(codec: Codec) -> None:
+    # long enough to cross the encoder's internal chunk boundaries, with an odd tail
+    n = 3 * (1 << 16) + 3 * codec.align + 1
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(n) * np.exp2(rng.integers(-140, 100, n // 64 + 1).repeat(64)[:n])
+    x = np.clip(x, -3e38, 3e38).astype(np.float32)
+    x[rng.random(n) < 0.1] = -0.0
+    x[1000:5000] = 0.0
+    payload = codec.encode(x, rng=np.random.default_rng(9))
+    assert payload == _reference_encode(codec, x, np.random.default_rng(9))
+    got = codec.decode(payload, n)
+    assert got.tobytes() == _reference_decode(codec, payload, n).tobytes()
+
+
+@pytest.mark.parametrize("codec", EXACT_CODECS, ids=EXACT_IDS)
+def test_refusals_name_the_whole_input(codec: Codec) -> None:
+    # The encoders work step by step, but a refusal still describes the whole input, and
+    # NaN or ±inf anywhere wins over a too-large value met in an earlier step.
+    n = 5 * (1 << 16) + 7
+    x = np.ones(n, np.float32)
+    x[[10, 3 * (1 << 16) + 1]] = np.nan
+    with pytest.raises(
+        CodecError, match=r"input has 2 non-finite value\(s\), first at flat index 10"
+    ):
+        codec.encode(x)
+    x[10] = 3.4e38  # beyond bf16 and the largest E3M0 scale
+    with pytest.raises(CodecError, match=r"1 non-finite value\(s\), first at flat index 196609"):
+        codec.encode(x)
+    x[3 * (1 << 16) + 1] = -3.4e38
+    if isinstance(codec, Int8Codec):
+        return
+    match = "2 value" if isinstance(codec, Bf16Codec) else f"block {10 // codec.align} has max"
+    with pytest.raises(CodecError, match=match):
+        codec.encode(x)
+
+
+def test_weighted_mean_bit_exact() -> None:
+    from atoll.protocol.reduce import Contribution, weighted_mean
+
+    n = 3 * (1 << 16) + 5
+    rng = np.random.default_rng(4)
+    for codec in (Fp32Codec(), E3M0Codec(), Int8Codec()):
+        xs = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+        cs = [Contribution(codec.encode(x), w) for x, w in zip(xs, (1.0, 3.0, 0.5), strict=True)]
+        w = np.array([1.0, 3.0, 0.5])
+        w /= w.max()
+        w /= w.sum()
+        acc = np.zeros(n, np.float32)
+        for c, wi in zip(cs, w, strict=True):
+            acc += np.float32(wi) * codec.decode(c.payload, n)
+        assert weighted_mean(cs, codec, n).tobytes() == acc.tobytes()
+
+
+def _around(bits: int, d: int = 2) -> list[int]:
+    return [bits + i for i in range(-d, d + 1)]
+
+
+def test_e3m0_bit_exact_at_thresholds() -> None:
+    # r = |x| / s exactly at, just below and just above every decision point: the nearest
+    # levels' boundaries 2^-(k + 1/2), 2^-6, 2^-7, the levels themselves and 1.
+    m0 = int(_SQRT_HALF_UP_REF.view(np.uint32)) & 0x7FFFFF
+    edges = [((126 - k) << 23) | m0 for k in range(7)] + [(127 - k) << 23 for k in range(9)]
+    r = np.array(sorted({b for e in edges for b in _around(e)}), np.uint32).view(np.float32)
+    r = r[(r > 0) & (r <= 1)]
+    for exp in (0, -20, 40, -120, -135):
+        # block 128 with 1.0 in it, so s = 2^exp and r is exact
+        vals = np.concatenate([[1.0], r, -r, [0.0, -0.0]]).astype(np.float32) * np.float32(2.0**exp)
+        x = np.resize(vals, 4 * 128 + 3)
+        x[::128] = np.float32(2.0**exp)
+        for codec in (E3M0Codec(), E3M0Codec(rounding="stochastic")):
+            for seed in range(4):
+                p = codec.encode(x, rng=np.random.default_rng(seed))
+                assert p == _reference_encode(codec, x, np.random.default_rng(seed))
+                got = codec.decode(p, x.size).tobytes()
+                assert got == _reference_decode(codec, p, x.size).tobytes()
