@@ -331,6 +331,7 @@ class AllReduceRound:
         # as member: every owner's reduced chunk, its payload (to spot equivocation) and
         # the total weight it reported
         self._chunks: list[F32Array | None] = [None] * len(spec.members)
+        self._result: F32Array | None = None
         self._chunk_bytes: list[bytes | None] = [None] * len(spec.members)
         self._total_weight: float | None = None
 
@@ -481,12 +482,20 @@ class AllReduceRound:
             return self._reject(sender, f"{sender} sent two different reduced chunks {j}")
         if not _finite_positive(msg.total_weight):
             return self._reject(sender, f"{sender} reported total weight {msg.total_weight!r}")
-        a, b = self._bounds[j]
+        values = self._slot_of(j)
         try:
-            values = self._codec.decode(msg.payload, b - a)
+            self._codec.decode_into(msg.payload, values.size, values)
         except CodecError as e:
             return self._reject(sender, f"reduced chunk {j} of {sender}: {_clip(str(e))}")
         return self._accept_chunk(j, bytes(msg.payload), values, float(msg.total_weight))
+
+    def _slot_of(self, j: int) -> F32Array:
+        """Where chunk ``j`` of the average goes: a slice of the one result vector (each
+        chunk is decoded straight into it, so no chunk is copied a second time)."""
+        if self._result is None:
+            self._result = np.empty(self.spec.numel, dtype=np.float32)
+        a, b = self._bounds[j]
+        return self._result[a:b]
 
     # -- steps -----------------------------------------------------------------------------
     def _maybe_reduce(self) -> list[Action]:
@@ -498,7 +507,8 @@ class AllReduceRound:
         total = math.fsum(p.weight for p in parts)
         try:
             payload = reduce_encoded(parts, self._codec, b - a, rng=self._rng())
-            values = self._codec.decode(payload, b - a)
+            values = self._slot_of(self._mine)
+            self._codec.decode_into(payload, b - a, values)
         except RejectedInput as e:  # the mean overflowed: nobody in particular is to blame
             return self._fail(f"reduction of chunk {self._mine} failed: {_clip(str(e))}")
         self._reduced_mine = True
@@ -529,6 +539,8 @@ class AllReduceRound:
         self._chunks[j] = values
         if any(c is None for c in self._chunks):
             return []
+        if self._result is not None:  # every chunk was decoded into its slice of it
+            return self._finish_done([self._result])
         return self._finish_done([c for c in self._chunks if c is not None])
 
     def _rng(self) -> np.random.Generator | None:
@@ -552,7 +564,10 @@ class AllReduceRound:
 
     def _finish_done(self, chunks: list[F32Array]) -> list[Action]:
         self._state = "done"
-        averaged = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        if len(chunks) == 1:
+            averaged = chunks[0]
+        else:
+            averaged = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         averaged = averaged.astype(np.float32, copy=False)
         self._release()
         return [Done(averaged)]
@@ -580,3 +595,4 @@ class AllReduceRound:
         self._parts = [None] * len(self.spec.members)
         self._chunks = [None] * len(self.spec.members)
         self._chunk_bytes = [None] * len(self.spec.members)
+        self._result = None

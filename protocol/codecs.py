@@ -207,6 +207,17 @@ def _abs_bits_max(
 # --------------------------------------------------------------------------------------
 # the interface
 # --------------------------------------------------------------------------------------
+def _check_out(out: object, numel: int) -> None:
+    if (
+        not isinstance(out, np.ndarray)
+        or out.dtype != np.float32
+        or out.shape != (numel,)
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ConfigError(f"out must be a writable contiguous float32 array of {numel} values")
+
+
 class Codec(abc.ABC):
     """A wire format for flat float32 vectors (Streaming DiLoCo, arXiv 2501.18512).
 
@@ -234,6 +245,16 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, data: Buffer, numel: int) -> F32Array:
         """Decode a payload of ``numel`` values into a new 1-D float32 array."""
+
+    def decode_into(self, data: Buffer, numel: int, out: F32Array) -> None:
+        """:meth:`decode` into ``out`` (float32, C-contiguous, ``numel`` values).
+
+        Bit for bit what :meth:`decode` returns; codecs that can write in place do so (no
+        temporary of the decoded size), the others copy. CodecError as :meth:`decode`;
+        ConfigError when ``out`` does not fit.
+        """
+        _check_out(out, numel)
+        out[...] = self.decode(data, numel)
 
     def slice_payload(self, payload: Buffer, numel: int, start: int, stop: int) -> bytes:
         """The bytes ``encode(x[start:stop])`` gives, cut out of ``payload = encode(x)``.
@@ -312,6 +333,15 @@ class Fp32Codec(Codec):
         if n and not np.isfinite(out).all():
             raise CodecError(f"{self.name}: payload has {_describe_nonfinite(out)}")
         return out
+
+    def decode_into(self, data: Buffer, numel: int, out: F32Array) -> None:
+        n = _check_numel(numel)
+        _check_out(out, n)
+        mv = _byte_view(data, self.name, 4 * n)
+        values = np.frombuffer(mv, dtype="<f4", count=n)
+        if n and not (np.abs(values).max() < np.inf):  # NaN and inf both fail the test
+            raise CodecError(f"{self.name}: payload has {_describe_nonfinite(values)}")
+        np.copyto(out, values)
 
 
 class Bf16Codec(Codec):
@@ -679,9 +709,16 @@ class E3M0Codec(Codec):
     def decode(self, data: Buffer, numel: int) -> F32Array:
         """Expand codes to ``±s * 2**-k``; non-finite or negative scales raise CodecError."""
         n = _check_numel(numel)
+        out = np.empty(n, dtype=np.float32)
+        self.decode_into(data, n, out)
+        return out
+
+    def decode_into(self, data: Buffer, numel: int, out: F32Array) -> None:
+        n = _check_numel(numel)
+        _check_out(out, n)
         mv = _byte_view(data, self.name, self.encoded_size(n))
         if n == 0:
-            return np.zeros(0, dtype=np.float32)
+            return
         nb = -(-n // self.block)
         sbits = np.frombuffer(mv, dtype="<u2", count=nb).astype(np.uint32)
         bad = ((sbits & 0x7F80) == 0x7F80) | ((sbits & 0x8000) != 0)
@@ -697,7 +734,6 @@ class E3M0Codec(Codec):
         # table of s * 2^-k per block would give.
         packed = np.frombuffer(mv, dtype=np.uint8, count=(n + 1) // 2, offset=2 * nb)
         block = self.block
-        out = np.empty(n, dtype=np.float32)
         steps, tail = _steps(n, block)
         for b0, b1 in steps:
             o = out[b0 * block : b1 * block]
@@ -709,7 +745,6 @@ class E3M0Codec(Codec):
             t = np.empty(tail + (tail & 1), dtype=np.float32)
             np.take(_E3M0_PAIRS, packed[(n - tail) // 2 :], out=t.view(np.uint64), mode="clip")
             np.multiply(t[:tail], s[nb - 1], out=out[n - tail :])
-        return out
 
 
 class _E3M0Work:

@@ -807,3 +807,20 @@ def test_e3m0_bit_exact_at_thresholds() -> None:
                 assert p == _reference_encode(codec, x, np.random.default_rng(seed))
                 got = codec.decode(p, x.size).tobytes()
                 assert got == _reference_decode(codec, p, x.size).tobytes()
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "e3m0", "e3m0-sr"])
+def test_decode_into_writes_what_decode_returns_even_into_a_slice(name: str) -> None:
+    codec = make_codec(name)
+    rng = np.random.default_rng(3)
+    n = 3 * 128 + 37
+    payload = codec.encode(rng.standard_normal(n).astype(np.float32), rng=rng)
+    expected = codec.decode(payload, n)
+    big = np.full(128 + n + 5, 7.0, dtype=np.float32)  # chunk at an aligned offset
+    codec.decode_into(payload, n, big[128 : 128 + n])
+    assert big[128 : 128 + n].tobytes() == expected.tobytes()
+    assert (big[:128] == 7.0).all() and (big[128 + n :] == 7.0).all()
+    with pytest.raises(ConfigError):
+        codec.decode_into(payload, n, np.empty(n + 1, dtype=np.float32))
+    with pytest.raises(ConfigError):
+        codec.decode_into(payload, n, np.empty(n, dtype=np.float64))  # type: ignore[arg-type]
