@@ -324,7 +324,9 @@ class AllReduceRound:
         # as owner of chunk self._mine: one contribution per member, in member order
         a, b = self._bounds[self._mine]
         own = self._codec.slice_payload(self._payload, spec.numel, a, b)
-        self._codec.decode(own, b - a)  # our own input must be sound (CodecError if not)
+        # our own input must be sound (CodecError if not); its decoding is kept for the mean
+        self._decoded: list[F32Array | None] = [None] * len(spec.members)
+        self._decoded[self._mine] = self._codec.decode(own, b - a)
         self._parts: list[Contribution | None] = [None] * len(spec.members)
         self._parts[self._mine] = Contribution(own, self._weight)
         self._reduced_mine = False
@@ -467,6 +469,7 @@ class AllReduceRound:
         except RejectedInput as e:
             return self._reject(sender, f"part of {sender} rejected: {_clip(str(e))}")
         self._parts[i] = Contribution(bytes(msg.payload), float(msg.weight))
+        self._decoded[i] = values
         return self._maybe_reduce()
 
     def _on_reduced(self, msg: Reduced) -> list[Action]:
@@ -506,7 +509,9 @@ class AllReduceRound:
         a, b = self._bounds[self._mine]
         total = math.fsum(p.weight for p in parts)
         try:
-            payload = reduce_encoded(parts, self._codec, b - a, rng=self._rng())
+            payload = reduce_encoded(
+                parts, self._codec, b - a, rng=self._rng(), decoded=self._decoded
+            )
             values = self._slot_of(self._mine)
             self._codec.decode_into(payload, b - a, values)
         except RejectedInput as e:  # the mean overflowed: nobody in particular is to blame
@@ -593,6 +598,7 @@ class AllReduceRound:
     def _release(self) -> None:
         """Drop the buffers: nothing of a finished round is used again."""
         self._parts = [None] * len(self.spec.members)
+        self._decoded = [None] * len(self.spec.members)
         self._chunks = [None] * len(self.spec.members)
         self._chunk_bytes = [None] * len(self.spec.members)
         self._result = None

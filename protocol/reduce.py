@@ -91,10 +91,17 @@ def _weights(contributions: Sequence[Contribution]) -> npt.NDArray[np.float64]:
     return w
 
 
-def weighted_mean(contributions: Sequence[Contribution], codec: Codec, numel: int) -> F32Array:
+def weighted_mean(
+    contributions: Sequence[Contribution],
+    codec: Codec,
+    numel: int,
+    decoded: Sequence[F32Array | None] | None = None,
+) -> F32Array:
     """Token-weighted fp32 mean of the decoded contributions.
 
-    Every payload is decoded with ``codec`` (``numel`` values each) and accumulated in
+    Every payload is decoded with ``codec`` (``numel`` values each; ``decoded[i]``, when
+    given, is taken as contribution ``i``'s decoding instead: a caller that decoded the
+    payloads to check them need not decode them again) and accumulated in
     float32 as ``sum_i (w_i / W) * x_i`` with ``W = sum_i w_i`` (Streaming DiLoCo,
     arXiv 2501.18512: summation stays in fp32; token weights as in Decoupled DiLoCo,
     arXiv 2604.21428).
@@ -114,10 +121,16 @@ def weighted_mean(contributions: Sequence[Contribution], codec: Codec, numel: in
     # and sums as whole-array arithmetic, without a full-size temporary per contribution.
     tmp = np.empty(min(n, _ACC_STEP), dtype=np.float32)
     for i, c in enumerate(contributions):
-        try:
-            x = codec.decode(c.payload, n)
-        except CodecError as e:
-            raise CodecError(f"contribution {i}: {e}") from e
+        given = decoded[i] if decoded is not None else None
+        if given is not None:
+            x = given
+            if x.dtype != np.float32 or x.shape != (n,):
+                raise ConfigError(f"decoded contribution {i} must be {n} float32 values")
+        else:
+            try:
+                x = codec.decode(c.payload, n)
+            except CodecError as e:
+                raise CodecError(f"contribution {i}: {e}") from e
         wi = np.float32(w[i])
         for j in range(0, n, _ACC_STEP):
             t = tmp[: min(_ACC_STEP, n - j)]
@@ -135,14 +148,17 @@ def reduce_encoded(
     codec: Codec,
     numel: int,
     rng: np.random.Generator | None = None,
+    decoded: Sequence[F32Array | None] | None = None,
 ) -> bytes:
     """What a chunk's owner sends back: :func:`weighted_mean`, encoded once with ``codec``.
 
     The mean is quantized a single time, after the fp32 sum, never hop by hop
     (ALGORITHMS.md 2.4; Streaming DiLoCo, arXiv 2501.18512). ``rng`` is passed to the
-    encoder (stochastic rounding only). Errors are those of :func:`weighted_mean`.
+    encoder (stochastic rounding only); ``decoded`` to :func:`weighted_mean`. Errors are
+    those of :func:`weighted_mean`.
     """
-    payload: bytes = codec.encode(weighted_mean(contributions, codec, numel), rng=rng)
+    mean = weighted_mean(contributions, codec, numel, decoded)
+    payload: bytes = codec.encode(mean, rng=rng)
     return payload
 
 
