@@ -29,7 +29,6 @@ use) raise :class:`~atoll.protocol.errors.ConfigError` with a one-line message.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import secrets
@@ -45,7 +44,7 @@ from libp2p.host.basic_host import BasicHost
 from atoll.dht.kad import AtollDHT
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
-from atoll.node.net.host import HostConfig, open_libp2p_host
+from atoll.node.net.host import HostConfig, expand_wildcard, open_libp2p_host
 from atoll.node.settings import BootstrapConfig
 from atoll.protocol.errors import ConfigError, lone_exception
 from atoll.security.identity import Identity, IdentityLock, load_or_create
@@ -174,31 +173,11 @@ def dialable_addrs(host: BasicHost) -> list[str]:
     peer = f"/p2p/{host.get_id()}"
     out: list[str] = []
     for addr in host.get_transport_addrs():
-        for concrete in _expand_wildcard(addr):
+        for concrete in expand_wildcard(addr):
             text = str(concrete) + peer
             if text not in out:
                 out.append(text)
     return out
-
-
-def _expand_wildcard(addr: multiaddr.Multiaddr) -> list[multiaddr.Multiaddr]:
-    ip = None
-    for proto in ("ip4", "ip6"):
-        with contextlib.suppress(Exception):
-            ip = addr.value_for_protocol(proto)
-        if ip:
-            break
-    if not ip or not ipaddress.ip_address(ip).is_unspecified:
-        return [addr]
-    # libp2p's own expansion (interface enumeration, no traffic); imported here, as the
-    # module path is not part of py-libp2p's documented API
-    from libp2p.utils.address_validation import expand_wildcard_address
-
-    try:
-        return list(expand_wildcard_address(addr)) or [addr]
-    except Exception as e:
-        logger.info("could not list the interfaces behind %s: %s", addr, e)
-        return [addr]
 
 
 def write_addr_file(path: Path, addrs: Sequence[str]) -> None:

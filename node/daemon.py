@@ -81,6 +81,8 @@ class NodeSummary:
     rounds_alone: int
     rebases: int
     waits_run_out: int
+    steps_jumped: int
+    """steps skipped after a rebase found the swarm further ahead in time"""
     stopped_by: str
     global_digest: str
     info: dict[str, Any] = field(default_factory=dict)
@@ -251,18 +253,34 @@ def _train(
     end = start + cfg.steps if cfg.steps else manifest.total_steps
     step = start
 
+    jump_to = 0  # a rebase found the swarm at this step (0: no jump)
+    jumped = 0  # steps skipped to meet the swarm
+
     def take(outcome: SyncOutcome, late: bool) -> None:
+        nonlocal jump_to
         apply_at.pop(outcome.fragment, None)
         if outcome.applied:
             p = outcome.fragment
             views.set(p, merge(views.get(p), shared.global_(p), manifest.alpha))
             if late:
                 logger.info("fragment %d: late result merged at step %d", p, step)
+            if outcome.reason.startswith("rebased"):
+                # the swarm got ahead in time, not only in versions: rejoin its rounds
+                jump_to = max(jump_to, int(info.get("swarm_step", 0)))
         else:
             logger.info("fragment %d: round skipped (%s)", outcome.fragment, outcome.reason)
 
     last_report = time.monotonic()
     while step < end and not stop.by:
+        if jump_to > step + manifest.tau:
+            logger.warning(
+                "step %d: the swarm is at step %d; jumping there to meet its rounds",
+                step,
+                jump_to,
+            )
+            jumped += min(jump_to, end - 1) - step
+            step = min(jump_to, end - 1)
+        jump_to = 0
         loss = rep.train_step(step)
         losses.append(loss)
         if step == start:
@@ -270,7 +288,7 @@ def _train(
         tokens += rep.batcher.tokens_per_batch
         for outcome in bridge.poll():  # results that came after their wait ran out
             take(outcome, late=True)
-        for p in [p for p, at in apply_at.items() if at == step]:
+        for p in [p for p, at in apply_at.items() if at <= step]:
             got = bridge.wait(p, manifest.timeouts.apply_wait_s)
             if got is None:
                 wait_runs_out += 1
@@ -324,7 +342,7 @@ def _train(
     if cfg.eval_batches:
         val = rep.batcher.val_batches(cfg.eval_batches, 16)
         eval_loss = evaluate(rep.model, val, rep.device)
-    done = step - start
+    done = len(losses)  # steps trained (jumps excluded)
     peers = int(info.get("peers_seen", 0))
     window = losses[-cfg.log_every :] or [float("nan")]
     return NodeSummary(
@@ -348,6 +366,7 @@ def _train(
         rounds_alone=int(info.get("rounds_alone", 0)),
         rebases=int(info.get("rebases", 0)),
         waits_run_out=wait_runs_out,
+        steps_jumped=jumped,
         stopped_by=stop.by or "steps",
         global_digest=_digest(shared),
         info=dict(info),

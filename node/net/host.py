@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import ipaddress
 import logging
 import math
 import os
@@ -123,6 +124,7 @@ __all__ = [
     "VersionMismatch",
     "WrongRun",
     "exclusive_listen_addr",
+    "expand_wildcard",
     "open_host",
     "open_libp2p_host",
 ]
@@ -823,6 +825,39 @@ def exclusive_listen_addr(addr: str) -> str:
     return re.sub(r"/tcp/0(?=/|$)", f"/tcp/{free}", addr, count=1)
 
 
+def expand_wildcard(addr: multiaddr.Multiaddr) -> list[multiaddr.Multiaddr]:
+    """``addr`` with a wildcard IP (``0.0.0.0``, ``::``) replaced by this machine's
+    interface addresses (no traffic); any other address as it is."""
+    ip = None
+    for proto in ("ip4", "ip6"):
+        with contextlib.suppress(Exception):
+            ip = addr.value_for_protocol(proto)
+        if ip:
+            break
+    if not ip or not ipaddress.ip_address(ip).is_unspecified:
+        return [addr]
+    # libp2p's own expansion (interface enumeration, no traffic); imported here, as the
+    # module path is not part of py-libp2p's documented API
+    from libp2p.utils.address_validation import expand_wildcard_address
+
+    try:
+        return list(expand_wildcard_address(addr)) or [addr]
+    except Exception as e:
+        logger.info("could not list the interfaces behind %s: %s", addr, e)
+        return [addr]
+
+
+def _advertised(candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+    """What the host tells peers (identify, DHT provider records): its addresses with
+    wildcards expanded, since a peer cannot dial ``0.0.0.0``. Order kept, no duplicates."""
+    out: list[multiaddr.Multiaddr] = []
+    for addr in candidates:
+        for concrete in expand_wildcard(addr):
+            if concrete not in out:
+                out.append(concrete)
+    return out
+
+
 def _build_host(
     identity: Identity, config: HostConfig
 ) -> tuple[BasicHost, list[multiaddr.Multiaddr]]:
@@ -849,6 +884,7 @@ def _build_host(
         sec_opt={NOISE_PROTOCOL_ID: noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         listen_addrs=listen,
+        addrs_factory=_advertised,
         connection_config=ConnectionConfig(
             dial_timeout=config.dial_timeout_s,
             inbound_upgrade_timeout=config.dial_timeout_s,

@@ -116,8 +116,10 @@ class SwarmStats:
     round_s: list[float] = field(default_factory=list)
     round_bytes: list[int] = field(default_factory=list)
     group_sizes: list[int] = field(default_factory=list)
-    outcomes: list[tuple[int, int, str, float]] = field(default_factory=list)
-    """(fragment, slot, applied/failed/alone/rebased, seconds) of every sync"""
+    outcomes: list[tuple[int, int, str, float, bool]] = field(default_factory=list)
+    """(fragment, version, round status, seconds, rebased) of every sync: the status of the
+    round at that version (applied, failed, alone, or none when the peer rebased without
+    looking for a group), and whether the sync ended with a rebase"""
     history: list[tuple[int, int, str, str]] = field(default_factory=list)
     """(fragment, version, digest, round) after every applied round and rebase; round is
     ``"slot/leader"`` of the group (members of one group must hold the same digest), or
@@ -228,6 +230,8 @@ class _Swarm:
         self.mailbox = Mailbox(host, on_request=self.on_request, hold_s=manifest.timeouts.round_s)
         self.seen_tokens = 0
         self.step = 0
+        self.swarm_step = 0  # the newest step of a peer whose state this peer copied
+        self._round_status: dict[int, str] = {}
         self.tokens_per_s = 0.0
         self._rate_mark = (time.monotonic(), 0)
         self.peers_seen: set[str] = set()
@@ -281,6 +285,7 @@ class _Swarm:
                 state.digest(),
                 peer,
             )
+            self.swarm_step = max(self.swarm_step, state.step)
             return state.step
         return None
 
@@ -315,11 +320,15 @@ class _Swarm:
     async def handle(self, p: int, step: int, tokens: int) -> SyncOutcome:
         """One sync of fragment ``p`` started at ``step`` (see the module docstring)."""
         t0 = trio.current_time()
+        self._round_status[p] = "none"  # no round: rebased before looking for a group
         outcome = await self._sync(p, step, tokens)
-        status = "applied" if outcome.applied else outcome.reason.split(":")[0]
-        if outcome.reason.startswith("rebased"):
-            status = "rebased"
-        entry = (p, outcome.round, status, round(trio.current_time() - t0, 3))
+        entry = (
+            p,
+            outcome.round,
+            self._round_status[p],
+            round(trio.current_time() - t0, 3),
+            outcome.reason.startswith("rebased"),
+        )
         self.stats.outcomes = [*self.stats.outcomes[-_HISTORY + 1 :], entry]
         return outcome
 
@@ -346,6 +355,8 @@ class _Swarm:
             return None
         version = self.engine.version(p)
         self.stats.last_sync[p] = f"rebased v{version}"
+        # before the outcome, on the same pipe: the trainer may jump to the swarm's step
+        post_info(self.outbox, {"swarm_step": self.swarm_step})
         return SyncOutcome(p, step, True, round_, f"rebased to version {version}")
 
     async def _sync(self, p: int, step: int, tokens: int) -> SyncOutcome:
@@ -411,6 +422,7 @@ class _Swarm:
         except BaseException:
             self.engine.skip(p, "cancelled")
             raise
+        self._round_status[p] = "applied" if outcome.applied else outcome.reason.split(":")[0]
         holdings = [(peer, v, d) for peer, (v, d) in views.items()]
         logger.info(
             "fragment %d slot %d: %s; the slot's declarations: %s",
