@@ -278,6 +278,8 @@ def _train(
                 step,
                 jump_to,
             )
+            if cfg.steps:  # --steps counts steps trained: the jump does not use them up
+                end += jump_to - step
             jumped += min(jump_to, end - 1) - step
             step = min(jump_to, end - 1)
         jump_to = 0

@@ -85,7 +85,7 @@ def test_a_late_peer_finds_the_swarm_through_the_dht_and_catches_up(local_swarm:
         assert time.monotonic() - t0 < 120, [n.tail() for n in early]
         assert all(n.proc.poll() is None for n in early), [n.tail() for n in early]
         time.sleep(0.5)
-    late = swarm.start_node("late", run, steps=30)
+    late = swarm.start_node("late", run, steps=40)
     for node in [*early, late]:
         assert node.wait(180) == 0, node.tail()
     s = late.summary
