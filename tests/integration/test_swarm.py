@@ -203,3 +203,20 @@ def test_atoll_demo_runs_a_small_swarm_and_writes_its_summary(tmp_path: Any) -> 
         assert node["rounds_applied"] >= 1
     assert summary["bytes_ratio"] > 10  # far fewer bytes than data-parallel
     assert "data-parallel would have sent" in done.stderr
+
+
+def test_a_second_node_with_the_same_identity_is_refused(local_swarm: Any) -> None:
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    run = swarm.write_manifest("run", swarm.manifest())
+    first = swarm.start_node("same", run, steps=100_000)
+    t0 = time.monotonic()
+    while "listening on" not in first.stderr():
+        assert time.monotonic() - t0 < 120 and first.proc.poll() is None, first.tail()
+        time.sleep(0.2)
+    same_key = str(swarm.tmp / "same.key")  # the first node's identity file
+    second = swarm.start_node("second", run, steps=5, extra=("--identity", same_key))
+    assert second.wait(60) == 2
+    err = second.stderr()
+    assert "already running with identity" in err and "Traceback" not in err, err[-1500:]
+    assert first.proc.poll() is None  # the running node is untouched
