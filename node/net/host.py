@@ -112,6 +112,7 @@ from atoll.protocol.messages import (
     decode_message,
     encode_message,
     frame,
+    frame_header,
 )
 from atoll.security.identity import Identity
 
@@ -360,14 +361,19 @@ class AtollHost:
         next send opens a new one); :class:`WrongRun` or :class:`VersionMismatch` when the
         stream it had to open was refused.
         """
-        data = frame(encode_message(msg), max_bytes=self._config.max_frame_bytes)
+        body = encode_message(msg)
+        header = frame_header(body, max_bytes=self._config.max_frame_bytes)
+        # a large body goes out behind its header in a second write, never copied
+        pieces = [header, body] if len(body) >= _SEPARATE_BODY else [header + body]
+        size = len(header) + len(body)
         pid = self._parse_peer_id(peer_id)
         out = self._outgoing.setdefault(peer_id, _Outgoing())
         with trio.move_on_after(self._config.send_timeout_s) as scope:
             async with out.lock:
                 stream = await self._stream_of(out, PeerInfo(pid, []), peer_id)
                 try:
-                    await stream.write(data)
+                    for piece in pieces:
+                        await stream.write(piece)
                 except BaseException as e:
                     # a write cut short (error, timeout, cancellation) may have left part
                     # of a frame on the stream, which is then out of step: drop it
@@ -375,14 +381,14 @@ class AtollHost:
                     await _reset(stream)
                     if isinstance(e, Exception):  # libp2p's errors: no documented set
                         raise PeerUnavailable(
-                            f"sending {type(msg).__name__} ({len(data)} bytes) to peer "
+                            f"sending {type(msg).__name__} ({size} bytes) to peer "
                             f"{peer_id} failed: {_describe(e)}"
                         ) from e
                     raise
-                self._sent[peer_id] += len(data)
+                self._sent[peer_id] += size
         if scope.cancelled_caught:
             raise PeerUnavailable(
-                f"sending {type(msg).__name__} ({len(data)} bytes) to peer {peer_id} "
+                f"sending {type(msg).__name__} ({size} bytes) to peer {peer_id} "
                 f"timed out after {self._config.send_timeout_s} s"
             )
 
@@ -778,6 +784,7 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
 
 
 _MAX_CONNECTIONS_PER_PEER = 16
+_SEPARATE_BODY = 1 << 16  # bodies from this size on are written apart from their header
 _SWEEP_EVERY_S = 0.5
 
 

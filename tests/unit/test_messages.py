@@ -428,3 +428,24 @@ def test_messages_through_frames() -> None:
     for i in range(0, len(stream), 1000):
         out += [decode_message(body) for body in decoder.feed(stream[i : i + 1000])]
     assert out == msgs
+
+
+@given(
+    sizes=st.lists(st.sampled_from([0, 3, 65535, 65536, 70001, 200000]), max_size=5),
+    cuts=st.lists(st.integers(min_value=0, max_value=400000), max_size=12),
+    as_bytearray=st.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_frame_decoder_reassembles_large_and_small_bodies_cut_anywhere(
+    sizes: list[int], cuts: list[int], as_bytearray: bool
+) -> None:
+    bodies = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    stream = b"".join(frame(b) for b in bodies)
+    points = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    decoder = FrameDecoder()
+    got: list[bytes] = []
+    for a, b in itertools.pairwise(points):
+        piece = stream[a:b]
+        got.extend(decoder.feed(bytearray(piece) if as_bytearray else piece))
+    assert got == bodies
+    assert decoder.buffered == 0
