@@ -385,11 +385,14 @@ def _child_main(
         trio.run(functools.partial(fn, shared, inbox, outbox, **worker_args))
     except BaseException as e:
         code = 1
-        text = "".join(traceback.format_exception_only(type(e), e)).strip()
-        # an AtollError is a reason for the user (join failed, bad run), not a bug
-        log.error(
-            "network worker %s failed: %s", worker, text, exc_info=not isinstance(e, AtollError)
-        )
+        if isinstance(e, AtollError):
+            # a reason for the user (join failed, bad address), not a bug: the trainer
+            # reports it; the text goes as it is
+            text = str(e)
+            log.info("network worker %s stopped: %s", worker, text)
+        else:
+            text = "".join(traceback.format_exception_only(type(e), e)).strip()
+            log.error("network worker %s failed: %s", worker, text, exc_info=True)
         with contextlib.suppress(OSError):
             _send(outbox, ["error", text])
     finally:
@@ -476,7 +479,7 @@ class NetworkBridge:
                         self.info.update(msg[1])
                         continue
                     if msg[0] == "error":
-                        raise NetworkStartError(f"network worker {self.worker} failed: {msg[1]}")
+                        raise NetworkStartError(str(msg[1]))
                     raise NetworkStartError(f"unexpected first message {msg[:1]!r}")
             except (EOFError, OSError):
                 pass
