@@ -157,7 +157,7 @@ from atoll.protocol.errors import (
     ExchangeTimeout,
     PeerUnavailable,
     RetryableError,
-    lone_exception,
+    unwrap_lone,
 )
 
 __all__ = ["DHT_PROTOCOL", "AtollDHT"]
@@ -349,8 +349,9 @@ class AtollDHT:
             validator_changed=True,  # no pk/ipns fallbacks: /atoll/ keys only
             strict_validation=True,
         )
-        lone: BaseException | None = None
-        try:
+        # an exception of the block comes out of our nursery and the service's, wrapped
+        # twice; a lone one is handed back as it was raised
+        with unwrap_lone(keep_grouped=(trio.Cancelled,)):
             async with background_trio_service(kad), trio.open_nursery() as nursery:
                 dht = cls(
                     host,
@@ -377,14 +378,6 @@ class AtollDHT:
                     kad_host.on_dht_stream = None
                     kad_host.remove_stream_handler(LIBRARY_PROTOCOL)
                     nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # an exception of the block comes out of our nursery and the service's wrapped
-            # twice; hand a lone one back as it was raised
-            lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
-            if lone is None:
-                raise
-        if lone is not None:
-            raise lone
 
     # -- what it is -------------------------------------------------------------------------
     @property

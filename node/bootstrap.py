@@ -33,7 +33,6 @@ import logging
 import os
 import secrets
 import signal
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -43,10 +42,10 @@ from libp2p.host.basic_host import BasicHost
 
 from atoll.dht.kad import AtollDHT
 from atoll.dht.status import serve_status
-from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
+from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
 from atoll.node.net.host import HostConfig, expand_wildcard, open_libp2p_host
 from atoll.node.settings import BootstrapConfig
-from atoll.protocol.errors import ConfigError, lone_exception
+from atoll.protocol.errors import ConfigError, unwrap_lone
 from atoll.security.identity import Identity, IdentityLock, load_or_create
 
 __all__ = ["dialable_addrs", "run", "write_addr_file"]
@@ -54,13 +53,6 @@ __all__ = ["dialable_addrs", "run", "write_addr_file"]
 logger = logging.getLogger(__name__)
 
 _STATUS_EVERY_S = 600.0  # how often the routing table's size is logged (INFO)
-
-
-class _SystemClock:
-    """The DHT's clock: this machine's wall time (records expire on it)."""
-
-    def wall(self) -> float:
-        return time.time()
 
 
 def run(cfg: BootstrapConfig, *, on_ready: Callable[[Sequence[str]], None]) -> str:
@@ -104,28 +96,23 @@ async def _serve(
 ) -> str:
     """The trio side of :func:`run`: serve until a signal cancels it."""
     caught: list[str] = []
-    lone: BaseException | None = None
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        try:
-            async with trio.open_nursery() as nursery:
+    # a start-up failure (a port in use, say) comes out of the nursery wrapped; a lone one
+    # is handed back as it was raised, for its one-line message
+    with (
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+        unwrap_lone(keep_grouped=(trio.Cancelled,)),
+    ):
+        async with trio.open_nursery() as nursery:
 
-                async def stop_on_signal() -> None:
-                    async for signum in signals:
-                        caught.append(signal.Signals(signum).name)
-                        logger.info("%s: stopping the bootstrap peer", caught[0])
-                        nursery.cancel_scope.cancel()
-                        return
+            async def stop_on_signal() -> None:
+                async for signum in signals:
+                    caught.append(signal.Signals(signum).name)
+                    logger.info("%s: stopping the bootstrap peer", caught[0])
+                    nursery.cancel_scope.cancel()
+                    return
 
-                nursery.start_soon(stop_on_signal)
-                await _serve_dht(cfg, identity, host_config, on_ready)
-        except BaseExceptionGroup as group:
-            # a start-up failure (a port in use, say) comes out of the nursery wrapped;
-            # hand a lone one back as it was raised, for its one-line message
-            lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
-            if lone is None:
-                raise
-    if lone is not None:
-        raise lone
+            nursery.start_soon(stop_on_signal)
+            await _serve_dht(cfg, identity, host_config, on_ready)
     # without a signal, _serve_dht never returns; a signal cancelled it
     return caught[0] if caught else "end"
 
@@ -144,7 +131,7 @@ async def _serve_dht(
             run_id=None,
             verifier=EnvelopeVerifier(),
             signer=EnvelopeSigner(identity),
-            clock=_SystemClock(),
+            clock=SystemClock(),
             timeout_s=cfg.timeout_s,
         ) as dht,
     ):

@@ -151,14 +151,23 @@ def _simulated_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join_address_lists(
+    args: argparse.Namespace, toml: dict[str, Any] | None, names: Sequence[str]
+) -> None:
+    """Address settings given several times (a repeated flag, a TOML list) become the one
+    comma-separated string the config dataclasses hold."""
+    for name in names:
+        if toml is not None and isinstance(toml.get(name), list):
+            toml[name] = ",".join(str(a) for a in toml[name])
+        if getattr(args, name) is not None:
+            setattr(args, name, ",".join(getattr(args, name)))
+
+
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from atoll.node.bootstrap import run  # trio and libp2p, never torch
 
     toml = load_toml(args.config, "bootstrap") if args.config else None
-    if toml is not None and isinstance(toml.get("listen"), list):
-        toml["listen"] = ",".join(str(a) for a in toml["listen"])
-    if args.listen is not None:
-        args.listen = ",".join(args.listen)
+    _join_address_lists(args, toml, ("listen",))
     cfg = build_config(BootstrapConfig, args, toml)
 
     def ready(addrs: Sequence[str]) -> None:
@@ -174,11 +183,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
     from atoll.node.daemon import ProgressPrinter, run_node
 
     toml = load_toml(args.config, "node") if args.config else None
-    for name in ("join", "listen"):
-        if toml is not None and isinstance(toml.get(name), list):
-            toml[name] = ",".join(str(a) for a in toml[name])
-        if getattr(args, name) is not None:
-            setattr(args, name, ",".join(getattr(args, name)))
+    _join_address_lists(args, toml, ("join", "listen"))
     cfg = build_config(NodeConfig, args, toml)
     printer = ProgressPrinter(cfg.progress)
 

@@ -16,15 +16,20 @@ never import each other, so the node, which wires both, joins them here:
 Everything it refuses is a :class:`~atoll.protocol.errors.RejectedInput`
 (``CodecError`` for bytes that are no envelope, ``BadSignature`` for one that does not
 open), which the DHT reports as a record refused by the ``seal`` rule.
+
+:class:`SystemClock` is the DHT's :class:`~atoll.dht.directory.Clock` for real peers:
+this machine's wall time, on which records are stamped and expire.
 """
 
 from __future__ import annotations
+
+import time
 
 from atoll.dht.records import MAX_SEAL_OVERHEAD
 from atoll.security.identity import Identity
 from atoll.security.signing import SignedEnvelope, open_envelope, seal, signer_peer_id
 
-__all__ = ["EnvelopeSigner", "EnvelopeVerifier"]
+__all__ = ["EnvelopeSigner", "EnvelopeVerifier", "SystemClock"]
 
 
 class EnvelopeSigner:
@@ -64,3 +69,10 @@ class EnvelopeVerifier:
         """
         env = SignedEnvelope.from_bytes(data, max_bytes=max_payload + MAX_SEAL_OVERHEAD)
         return open_envelope(env, domain=domain, max_payload=max_payload), signer_peer_id(env)
+
+
+class SystemClock:
+    """The DHT's clock: this machine's wall time (records expire on it)."""
+
+    def wall(self) -> float:
+        return time.time()

@@ -18,7 +18,7 @@ import trio
 
 from atoll.dht.records import PeerRecord
 from atoll.dht.status import fetch_status
-from atoll.node.envelopes import EnvelopeVerifier
+from atoll.node.envelopes import EnvelopeVerifier, SystemClock
 from atoll.node.net.host import HostConfig, open_libp2p_host
 from atoll.protocol.errors import AtollError, PeerUnavailable
 from atoll.security.identity import generate
@@ -26,11 +26,6 @@ from atoll.security.identity import generate
 __all__ = ["SwarmView", "format_view", "query"]
 
 logger = logging.getLogger(__name__)
-
-
-class _SystemClock:
-    def wall(self) -> float:
-        return time.time()
 
 
 @dataclass
@@ -57,7 +52,7 @@ def query(addrs: Sequence[str], *, timeout_s: float = 10.0) -> SwarmView:
                         host,
                         addr,
                         verifier=EnvelopeVerifier(),
-                        clock=_SystemClock(),
+                        clock=SystemClock(),
                         timeout_s=timeout_s,
                     )
                 except AtollError as e:

@@ -48,7 +48,7 @@ from atoll.protocol.reduce import (
     reduce_encoded,
 )
 from atoll.protocol.schedule import Schedule
-from atoll.protocol.statesync import FragmentState
+from atoll.protocol.statesync import FragmentState, state_digest
 
 __all__ = [
     "AGGREGATIONS",
@@ -142,6 +142,8 @@ class _Fragment:
     pending_residual: np.ndarray | None = None
     pending_tokens: int = 0
     stats: FragmentStats = field(default_factory=FragmentStats)
+    digest: str | None = None
+    """the shared state's digest while it is unchanged (None: compute it again)"""
 
 
 class OuterEngine:
@@ -258,6 +260,7 @@ class OuterEngine:
             )
         frag.optimizer.step(frag.global_params, averaged)
         frag.version += 1
+        frag.digest = None
         frag.tokens_mark = frag.pending_tokens
         if frag.residual is not None and frag.pending_residual is not None:
             frag.residual = frag.pending_residual
@@ -303,8 +306,17 @@ class OuterEngine:
         )
 
     def digest(self, p: int) -> str:
-        """The digest of fragment ``p``'s shared state (:meth:`FragmentState.digest`)."""
-        return self.export_fragment(p).digest()
+        """The digest of fragment ``p``'s shared state (:meth:`FragmentState.digest`),
+        hashed in place and kept until the state changes (deliver, import)."""
+        frag = self._frags[p]
+        if frag.digest is None:
+            frag.digest = state_digest(
+                frag.version,
+                frag.optimizer.steps,
+                frag.global_params,
+                frag.optimizer.momentum,
+            )
+        return frag.digest
 
     def import_fragment(self, p: int, state: FragmentState) -> None:
         """Replace fragment ``p``'s shared state by a peer's copy (a rebase).
@@ -331,6 +343,7 @@ class OuterEngine:
         frag.global_params = state.global_params.copy()
         frag.optimizer = opt
         frag.version = state.version
+        frag.digest = None
         if frag.residual is not None:
             frag.residual = np.zeros_like(frag.global_params)
 

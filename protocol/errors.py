@@ -21,6 +21,9 @@ only know the standard library still catch them.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 __all__ = [
     "AtollError",
     "CodecError",
@@ -32,6 +35,7 @@ __all__ = [
     "RetryableError",
     "RoundAborted",
     "lone_exception",
+    "unwrap_lone",
 ]
 
 
@@ -92,3 +96,17 @@ def lone_exception(
     if len(leaves) != 1 or isinstance(leaves[0], keep_grouped):
         return None
     return leaves[0]
+
+
+@contextlib.contextmanager
+def unwrap_lone(*, keep_grouped: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Around a block of nurseries: a lone exception leaves it as it was raised, not
+    wrapped in one group per nursery (:func:`lone_exception`; several stay grouped, and so
+    does one of ``keep_grouped``)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        lone = lone_exception(group, keep_grouped=keep_grouped)
+        if lone is None:
+            raise
+        raise lone from None

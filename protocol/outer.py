@@ -100,6 +100,13 @@ class OuterSGD:
         """Number of outer steps applied so far."""
         return self._steps
 
+    @property
+    def momentum(self) -> npt.NDArray[np.float32]:
+        """The momentum buffer itself, read-only (:meth:`state_dict` gives a copy)."""
+        view = self._buf.view()
+        view.flags.writeable = False
+        return view
+
     def step(self, params: npt.NDArray[np.float32], grad: npt.NDArray[Any]) -> None:
         """Apply one outer step to ``params`` in place, with ``grad`` as the gradient.
 

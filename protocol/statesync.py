@@ -50,6 +50,7 @@ __all__ = [
     "decode_state",
     "leading_state",
     "should_rebase",
+    "state_digest",
 ]
 
 CHUNK_BYTES: int = 8 * 1024 * 1024
@@ -89,9 +90,7 @@ class FragmentState:
 
     def encode(self) -> bytes:
         """Header, global copy, momentum (float32 little-endian); see :func:`decode_state`."""
-        head = _HEADER.pack(_MAGIC, self.version, self.optimizer_steps, 0, self.global_params.size)
-        le = np.dtype("<f4")
-        return head + self.global_params.astype(le).tobytes() + self.momentum.astype(le).tobytes()
+        return self._encode(0)
 
     def digest(self) -> str:
         """Hex sha256 (first 128 bits) of the encoding with ``step`` left out.
@@ -99,15 +98,29 @@ class FragmentState:
         Equal digests mean equal version, optimizer steps, global copy and momentum: the
         peers may average together.
         """
-        return hashlib.sha256(self.encode()).hexdigest()[:DIGEST_LEN]
+        return state_digest(self.version, self.optimizer_steps, self.global_params, self.momentum)
 
     def wire(self) -> bytes:
         """The encoding sent to a peer: as :meth:`encode`, with the server's step in it."""
-        data = bytearray(self.encode())
-        _HEADER.pack_into(
-            data, 0, _MAGIC, self.version, self.optimizer_steps, self.step, self.global_params.size
-        )
-        return bytes(data)
+        return self._encode(self.step)
+
+    def _encode(self, step: int) -> bytes:
+        n = self.global_params.size
+        head = _HEADER.pack(_MAGIC, self.version, self.optimizer_steps, step, n)
+        le = np.dtype("<f4")
+        return head + self.global_params.astype(le).tobytes() + self.momentum.astype(le).tobytes()
+
+
+def state_digest(
+    version: int, optimizer_steps: int, global_params: np.ndarray, momentum: np.ndarray
+) -> str:
+    """:meth:`FragmentState.digest` of these values, hashed in place (no copy of the
+    arrays on a little-endian machine): what a peer declares for its fragment."""
+    h = hashlib.sha256(_HEADER.pack(_MAGIC, version, optimizer_steps, 0, global_params.size))
+    le = np.dtype("<f4")
+    for a in (global_params, momentum):
+        h.update(np.ascontiguousarray(a, dtype=le).data.cast("B"))
+    return h.hexdigest()[:DIGEST_LEN]
 
 
 def decode_state(data: bytes, numel: int) -> FragmentState:

@@ -2,37 +2,17 @@
 
 Map of the modules:
 
-- ``host``  one py-libp2p host (Noise only, yamux): connect to peers with a Hello check
-            of run and protocol version, send and receive wire messages on reused,
-            constantly drained streams, per-peer byte counters; ``open_libp2p_host``, the
-            same host bare, for a DHT-only peer
+- ``host``   one py-libp2p host (Noise only, yamux): connect to peers with a Hello check
+             of run and protocol version, send and receive wire messages on reused,
+             constantly drained streams, per-peer byte counters; ``open_libp2p_host``, the
+             same host bare, for a DHT-only peer
 - ``bridge`` the trainer's side of the network process: fragments in shared memory, a
-            spawned process running a trio worker (the OuterEngine lives there), small
-            msgpack commands over pipes; ``serve`` and a loopback reference worker
+             spawned process running a trio worker, small msgpack commands over pipes;
+             ``serve`` and a loopback reference worker
+- ``rounds`` the drivers of the sans-IO round machines over a host: the mailbox that
+             routes messages to rounds, matchmaking, all-reduce, state transfer
+- ``swarm``  the swarm worker: host, DHT, OuterEngine, joining, syncs, rebases, status
 
-Still to come: the DHT adapter, and matchmaking and all-reduce drivers over the host.
+Nothing is re-exported here: the trainer imports ``bridge`` alone, and importing the
+package must not load libp2p into the training process.
 """
-
-from atoll.node.net.host import (
-    AGENT,
-    ATOLL_PROTOCOL,
-    HELLO_MAX_BYTES,
-    AtollHost,
-    HostConfig,
-    VersionMismatch,
-    WrongRun,
-    open_host,
-    open_libp2p_host,
-)
-
-__all__ = [
-    "AGENT",
-    "ATOLL_PROTOCOL",
-    "HELLO_MAX_BYTES",
-    "AtollHost",
-    "HostConfig",
-    "VersionMismatch",
-    "WrongRun",
-    "open_host",
-    "open_libp2p_host",
-]

@@ -102,7 +102,7 @@ from atoll.protocol.errors import (
     ConfigError,
     ExchangeTimeout,
     PeerUnavailable,
-    lone_exception,
+    unwrap_lone,
 )
 from atoll.protocol.messages import (
     MAX_FRAME_BYTES,
@@ -718,8 +718,9 @@ async def open_host(
         raise ConfigError(f"a run id is 64 lowercase hex digits, not {run_id!r}")
     host, listen = _build_host(identity, config)
     inbox, messages = trio.open_memory_channel[tuple[str, object]](config.receive_queue)
-    lone: BaseException | None = None
-    try:
+    # an exception of the block comes out of three nurseries (ours, libp2p's host and
+    # service runners) wrapped three times; a lone one is handed back as it was raised
+    with unwrap_lone(keep_grouped=(trio.Cancelled,)):
         async with inbox, messages, host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             await _stop_auto_connector(host)
             nursery.start_soon(_sweep_closed_connections, host)
@@ -737,14 +738,6 @@ async def open_host(
                 host.remove_stream_handler(ATOLL_PROTOCOL)
                 nursery.cancel_scope.cancel()
                 await _close_host(host)
-    except BaseExceptionGroup as group:
-        # an exception of the block comes out of three nurseries (ours, libp2p's host and
-        # service runners) wrapped three times; hand a lone one back as it was raised
-        lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
-        if lone is None:
-            raise
-    if lone is not None:
-        raise lone
 
 
 @asynccontextmanager
@@ -760,8 +753,7 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
     cancellation).
     """
     host, listen = _build_host(identity, config)
-    lone: BaseException | None = None
-    try:
+    with unwrap_lone(keep_grouped=(trio.Cancelled,)):
         async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             await _stop_auto_connector(host)
             nursery.start_soon(_sweep_closed_connections, host)
@@ -775,12 +767,6 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
             finally:
                 nursery.cancel_scope.cancel()
                 await _close_host(host)
-    except BaseExceptionGroup as group:
-        lone = lone_exception(group, keep_grouped=(trio.Cancelled,))
-        if lone is None:
-            raise
-    if lone is not None:
-        raise lone
 
 
 _MAX_CONNECTIONS_PER_PEER = 16

@@ -29,9 +29,9 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -265,6 +265,52 @@ async def _next_event(
     return None
 
 
+class _Machine(Protocol):
+    """What :func:`_drive` needs of a sans-IO round machine."""
+
+    @property
+    def next_deadline(self) -> float | None: ...
+
+    def tick(self, now: float) -> Sequence[Any]: ...
+
+    def receive(self, msg: Any, *, now: float) -> Sequence[Any]: ...
+
+    def peer_lost(self, peer: str, *, now: float) -> Sequence[Any]: ...
+
+
+async def _drive(
+    machine: _Machine,
+    actions: Sequence[Any],
+    events: trio.MemoryReceiveChannel[Event],
+    runner: _Runner,
+    observe: Callable[[Any, float], Sequence[Any]] | None = None,
+) -> Any:
+    """Feed ``machine`` events and carry out its sends until it returns its outcome (the
+    first action that is not a send). Ticks at its deadlines; ``("view", x)`` events go to
+    ``observe``."""
+    while True:
+        outcome = None
+        for action in actions:
+            if isinstance(action, mm.Send | ar.Send):
+                runner.send(action.to, action.message)
+            else:
+                outcome = action
+        if outcome is not None:
+            return outcome
+        event = await _next_event(events, machine.next_deadline)
+        now = trio.current_time()
+        if event is None:
+            actions = machine.tick(now)
+        elif event[0] == "msg":
+            actions = machine.receive(event[1], now=now)
+        elif event[0] == "lost":
+            actions = machine.peer_lost(event[1], now=now)
+        elif observe is not None:
+            actions = observe(event[1], now)
+        else:
+            actions = []
+
+
 # --------------------------------------------------------------------------------------
 # matchmaking
 # --------------------------------------------------------------------------------------
@@ -331,27 +377,14 @@ async def run_matchmaking(
 
             io.start_soon(announce)
             io.start_soon(poll)
-            actions = machine.tick(trio.current_time())
-            while True:
-                for action in actions:
-                    if isinstance(action, mm.Send):
-                        runner.send(action.to, action.message)
-                    else:
-                        outcome = action
-                if outcome is not None:
-                    break
-                event = await _next_event(events, machine.next_deadline)
-                now = trio.current_time()
-                if event is None:
-                    actions = machine.tick(now)
-                elif event[0] == "msg":
-                    actions = machine.receive(event[1], now=now)
-                elif event[0] == "lost":
-                    actions = machine.peer_lost(event[1], now=now)
-                else:
-                    if view is not None:
-                        view(event[1])
-                    actions = machine.observe(event[1], now=now)
+
+            def observe(decls: list[mm.Declaration], now: float) -> list[Any]:
+                if view is not None:
+                    view(decls)
+                return machine.observe(decls, now=now)
+
+            first = machine.tick(trio.current_time())
+            outcome = await _drive(machine, first, events, runner, observe)
             stop.set()
             if background is None:
                 # the last messages (GroupFormed to the members, a Disband) must still go
@@ -437,23 +470,7 @@ async def run_allreduce(
             runner = _Runner(host, io, send_ch, on_sent)
             if checkpoint is not None:
                 checkpoint("start")
-            actions = machine.start()
-            while True:
-                for action in actions:
-                    if isinstance(action, ar.Send):
-                        runner.send(action.to, action.message)
-                    else:
-                        outcome = action
-                if outcome is not None:
-                    break
-                event = await _next_event(events, machine.next_deadline)
-                now = trio.current_time()
-                if event is None:
-                    actions = machine.tick(now)
-                elif event[0] == "msg":
-                    actions = machine.receive(event[1], now=now)
-                else:
-                    actions = machine.peer_lost(event[1], now=now)
+            outcome = await _drive(machine, machine.start(), events, runner)
             if background is None:
                 # our reduced chunk (or our Abort) is still on its way to the others
                 with trio.move_on_after(linger_s):

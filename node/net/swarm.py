@@ -56,7 +56,7 @@ import trio
 from atoll.dht.kad import AtollDHT
 from atoll.dht.records import PeerRecord
 from atoll.dht.status import serve_status
-from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
+from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
 from atoll.node.net.bridge import SharedFragments, SyncOutcome, post_info, serve
 from atoll.node.net.host import (
     AGENT,
@@ -97,11 +97,6 @@ _HISTORY = 200  # (fragment, version, digest) entries kept for the info
 
 class JoinFailed(PeerUnavailable):
     """No ``--join`` address let this node into the swarm; the message says why, per address."""
-
-
-class _SystemClock:
-    def wall(self) -> float:
-        return time.time()
 
 
 @dataclass(slots=True)
@@ -297,24 +292,23 @@ class _Swarm:
             logger.info("no peer records yet (%s): starting from the manifest's seed", e)
             return 0
         self.note_peers(records)
-        records = [r for r in records if r.peer_id != self.host.peer_id]
         start = 0
         for p in range(len(self.shared)):
-            holdings = [
-                (r.peer_id, r.versions[p], r.digests[p])
-                for r in records
-                if len(r.versions) > p and len(r.digests) > p and r.digests[p]
-            ]
-            mine = (self.engine.version(p), self.engine.digest(p))
-            if not ss.should_rebase(self.host.peer_id, mine, holdings):
-                continue
-            target = ss.leading_state([*holdings, (self.host.peer_id, *mine)])
-            assert target is not None
-            holders = [peer for peer, v, d in holdings if (v, d) == target]
-            step = await self.rebase(p, holders, target)
+            step = await self._rebase_if_led(p, self._live_holdings(p))
             if step is not None:
                 start = max(start, step)
         return start
+
+    async def _rebase_if_led(self, p: int, holdings: list[tuple[str, int, str]]) -> int | None:
+        """Copy fragment ``p``'s leading state when ``holdings`` (peer, version, digest)
+        show it is not this peer's; the serving peer's step, or None (no rebase)."""
+        mine = (self.engine.version(p), await trio.to_thread.run_sync(self.engine.digest, p))
+        if not ss.should_rebase(self.host.peer_id, mine, holdings):
+            return None
+        target = ss.leading_state([*holdings, (self.host.peer_id, *mine)])
+        assert target is not None
+        holders = [peer for peer, v, d in holdings if (v, d) == target]
+        return await self.rebase(p, holders, target)
 
     # -- one sync -------------------------------------------------------------------------
     async def handle(self, p: int, step: int, tokens: int) -> SyncOutcome:
@@ -345,13 +339,7 @@ class _Swarm:
     ) -> SyncOutcome | None:
         """Rebase fragment ``p`` when ``holdings`` show the swarm leads elsewhere; the
         outcome of the sync then, or None when this peer holds the leading state."""
-        mine = (self.engine.version(p), await trio.to_thread.run_sync(self.engine.digest, p))
-        if not ss.should_rebase(self.host.peer_id, mine, holdings):
-            return None
-        target = ss.leading_state([*holdings, (self.host.peer_id, *mine)])
-        assert target is not None
-        holders = [peer for peer, v, d in holdings if (v, d) == target]
-        if await self.rebase(p, holders, target) is None:
+        if await self._rebase_if_led(p, holdings) is None:
             return None
         version = self.engine.version(p)
         self.stats.last_sync[p] = f"rebased v{version}"
@@ -669,7 +657,7 @@ async def swarm_worker(
             run_id=run_id,
             verifier=EnvelopeVerifier(),
             signer=EnvelopeSigner(identity),
-            clock=_SystemClock(),
+            clock=SystemClock(),
             timeout_s=dht_timeout_s,
         ) as dht,
         trio.open_nursery() as nursery,
