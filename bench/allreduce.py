@@ -339,7 +339,6 @@ async def _atoll_peer(args: argparse.Namespace, proto: IO[str]) -> None:
             sent = sum(host.bytes_sent.values()) - sent0
             if not isinstance(outcome, Done):
                 raise BenchError(f"round {r} failed: {outcome.reason}")
-            err = float(np.max(np.abs(outcome.averaged - mean))) if numel else 0.0
             emit(
                 proto,
                 event="round",
@@ -349,8 +348,13 @@ async def _atoll_peer(args: argparse.Namespace, proto: IO[str]) -> None:
                 cpu_s=cpu,
                 bytes=sent,
                 tcp=tcp,
-                err=err,
             )
+            averaged = outcome.averaged
+            cmd = await lines.next()  # checked once every peer is done: never on the clock
+            if cmd is None or cmd.get("cmd") != "check":
+                raise BenchError(f"expected the check of round {r}, got {cmd!r}")
+            err = float(np.max(np.abs(averaged - mean))) if numel else 0.0
+            emit(proto, event="checked", round=r, err=err)
         nursery.cancel_scope.cancel()
 
 
@@ -425,9 +429,12 @@ def _hivemind_peer(args: argparse.Namespace, proto: IO[str]) -> None:
             control.result(timeout=args.timeout)
             wall = time.perf_counter() - t0
             cpu, tcp = meter.stop()
+            emit(proto, event="round", round=r, wall_s=wall, cpu_s=cpu, bytes=tcp, tcp=tcp)
+            if read().get("cmd") != "check":
+                raise BenchError(f"expected the check of round {r}")
             with averager.get_tensors() as tensors:
                 err = float((tensors[0] - mean).abs().max()) if numel else 0.0
-            emit(proto, event="round", round=r, wall_s=wall, cpu_s=cpu, bytes=tcp, tcp=tcp, err=err)
+            emit(proto, event="checked", round=r, err=err)
     finally:
         averager.shutdown()
         dht.shutdown()
@@ -561,6 +568,12 @@ def run_side(
                 w.send(cmd="round", round=r)
             results = [w.recv(args.timeout + 60, "round") for w in workers]
             busy1 = machine_cpu_s()
+            # the error against the true mean is computed after every peer is done, so
+            # that no peer's check takes CPU from a peer still in the round
+            for w in workers:
+                w.send(cmd="check", round=r)
+            for w, result in zip(workers, results, strict=True):
+                result["err"] = w.recv(START_TIMEOUT_S + args.timeout, "checked")["err"]
             _add_round(side, results)
             if busy0 is not None and busy1 is not None:  # what others ran meanwhile
                 side["other_cpu_s"].append(max(0.0, busy1 - busy0 - side["cpu_s"][-1]))

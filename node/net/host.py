@@ -92,10 +92,9 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
 
+from atoll.node.net.transport import LeanNoiseTransport, LeanYamux, tune_frames
 from atoll.protocol.errors import (
     AtollError,
     CodecError,
@@ -111,6 +110,7 @@ from atoll.protocol.messages import (
     Hello,
     decode_message,
     encode_message,
+    encode_message_pieces,
     frame,
     frame_header,
 )
@@ -361,11 +361,11 @@ class AtollHost:
         next send opens a new one); :class:`WrongRun` or :class:`VersionMismatch` when the
         stream it had to open was refused.
         """
-        body = encode_message(msg)
-        header = frame_header(body, max_bytes=self._config.max_frame_bytes)
-        # a large body goes out behind its header in a second write, never copied
-        pieces = [header, body] if len(body) >= _SEPARATE_BODY else [header + body]
-        size = len(header) + len(body)
+        head, tail = encode_message_pieces(msg)
+        header = frame_header(len(head) + len(tail), max_bytes=self._config.max_frame_bytes)
+        # a large payload goes out behind its header in a second write, never copied
+        pieces = [header + head, tail] if tail else [header + head]
+        size = len(header) + len(head) + len(tail)
         pid = self._parse_peer_id(peer_id)
         out = self._outgoing.setdefault(peer_id, _Outgoing())
         with trio.move_on_after(self._config.send_timeout_s) as scope:
@@ -770,7 +770,6 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
 
 
 _MAX_CONNECTIONS_PER_PEER = 16
-_SEPARATE_BODY = 1 << 16  # bodies from this size on are written apart from their header
 _SWEEP_EVERY_S = 0.5
 
 
@@ -863,7 +862,7 @@ def _build_host(
         raise ConfigError(f"HostConfig.listen holds a bad multiaddr: {e}") from None
     listen = [multiaddr.Multiaddr(exclusive_listen_addr(str(a))) for a in listen]
     _configure_libp2p_logging()
-    _tune_yamux()
+    tune_frames()
 
     key_pair = create_new_key_pair(identity.private_bytes())
     if str(ID.from_pubkey(key_pair.public_key)) != identity.peer_id:
@@ -871,11 +870,11 @@ def _build_host(
     # new_host's defaults add TLS, SECIO and /plaintext/2.0.0; a plaintext dialer could
     # claim any peer id. Noise alone, with a fresh X25519 key per process (the Noise
     # static key is signed by the identity key in the handshake).
-    noise = NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
+    noise = LeanNoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
     host = new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},
-        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): LeanYamux},
         listen_addrs=listen,
         addrs_factory=_advertised,
         connection_config=ConnectionConfig(
@@ -981,26 +980,6 @@ def _describe(error: BaseException) -> str:
     text = str(error)
     name = type(error).__name__
     return f"{name}: {text}" if text else name
-
-
-def _tune_yamux() -> None:
-    """Make every yamux frame fit one Noise message.
-
-    py-libp2p 0.8.1 cuts stream data into yamux frames of 64 KiB (12-byte header
-    included), while a Noise transport message carries at most 65,519 bytes of plaintext
-    (65,535 minus the 16-byte tag): every full frame went out as two Noise messages, two
-    encryptions and two socket writes, one of them 17 bytes. Frames of at most 65,519
-    bytes are valid yamux (a receiver takes any length within its window). The module
-    constant is read at each write, so setting it here takes effect for the process.
-    """
-    try:
-        from libp2p.security.noise import io as noise_io
-        from libp2p.stream_muxer.yamux import yamux
-    except ImportError:  # another libp2p layout: leave it alone
-        return
-    limit = getattr(noise_io, "MAX_PLAINTEXT_LENGTH", None)
-    if isinstance(limit, int) and getattr(yamux, "MAX_MESSAGE_SIZE", 0) > limit:
-        yamux.MAX_MESSAGE_SIZE = limit
 
 
 def _configure_libp2p_logging() -> None:

@@ -24,6 +24,7 @@ from atoll.protocol.messages import (
     Hello,
     decode_message,
     encode_message,
+    encode_message_pieces,
     frame,
     message_kind,
     wire_message,
@@ -56,6 +57,16 @@ class Every:
 @dataclass(frozen=True, slots=True)
 class Blob:
     payload: bytes
+
+
+@wire_message(248)
+@dataclass(frozen=True, slots=True)
+class Tagged:
+    """A payload behind other fields, as in an all-reduce part."""
+
+    sender: str
+    weight: float
+    payload: bytes = field(metadata={"max_len": 1 << 20})
 
 
 @wire_message(252)
@@ -274,6 +285,34 @@ def test_encode_refuses_what_decode_would() -> None:
         encode_message(every(plain="\ud800"))
     with pytest.raises(CodecError, match="not a registered message"):
         message_kind(int)
+
+
+@pytest.mark.parametrize("size", [0, 10, (1 << 16) - 1, 1 << 16, (1 << 16) + 7, 1 << 20])
+def test_pieces_join_to_the_same_bytes(size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    for msg in (Tagged("peer", 0.5, payload), Blob(payload)):
+        head, tail = encode_message_pieces(msg)
+        assert head + tail == encode_message(msg)
+        assert decode_message(head + tail) == msg
+        if size >= 1 << 16:  # the payload itself, not a copy of it
+            assert tail is payload
+            assert len(head) < 64
+        else:
+            assert tail == b""
+
+
+def test_pieces_refuse_what_encode_refuses() -> None:
+    with pytest.raises(CodecError, match=r"Tagged\.payload: .* more than max_len"):
+        encode_message_pieces(Tagged("peer", 1.0, bytes((1 << 20) + 1)))
+    with pytest.raises(CodecError, match=r"Tagged\.weight: expected float, got str"):
+        encode_message_pieces(Tagged("peer", "x", bytes(1 << 17)))  # type: ignore[arg-type]
+    with pytest.raises(CodecError, match="not a registered message"):
+        encode_message_pieces(object())
+    # a small last field, or a message not ending in bytes: one piece
+    assert encode_message_pieces(Hello(1, "a" * 64, "p", "a")) == (
+        encode_message(Hello(1, "a" * 64, "p", "a")),
+        b"",
+    )
 
 
 # -- registration ---------------------------------------------------------------------------
