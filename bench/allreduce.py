@@ -266,6 +266,7 @@ async def _atoll_peer(args: argparse.Namespace, proto: IO[str]) -> None:
     """One atoll peer: host, mailbox, full mesh, then the rounds the parent starts."""
     import trio
 
+    from atoll.node.net.heap import keep_freed_memory
     from atoll.node.net.host import HostConfig, open_host
     from atoll.node.net.rounds import Mailbox, run_allreduce
     from atoll.protocol.allreduce import Done, RoundKey, RoundSpec
@@ -273,6 +274,7 @@ async def _atoll_peer(args: argparse.Namespace, proto: IO[str]) -> None:
     from atoll.protocol.messages import MAX_FRAME_BYTES
     from atoll.security.identity import generate
 
+    keep_freed_memory()  # as atoll's network process does
     numel = numel_of(args.mb)
     data = peer_data(args.seed, args.index, numel)
     codec = make_codec(args.codec)

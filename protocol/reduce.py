@@ -116,27 +116,33 @@ def weighted_mean(
     """
     n = _check_size(numel, "numel")
     w = _weights(contributions)
-    acc = np.zeros(n, dtype=np.float32)
-    # acc += w_i * x_i slice by slice through one small buffer: the same float32 products
-    # and sums as whole-array arithmetic, without a full-size temporary per contribution.
-    tmp = np.empty(min(n, _ACC_STEP), dtype=np.float32)
+    xs: list[F32Array] = []
     for i, c in enumerate(contributions):
         given = decoded[i] if decoded is not None else None
         if given is not None:
-            x = given
-            if x.dtype != np.float32 or x.shape != (n,):
+            if given.dtype != np.float32 or given.shape != (n,):
                 raise ConfigError(f"decoded contribution {i} must be {n} float32 values")
+            xs.append(given)
         else:
             try:
-                x = codec.decode(c.payload, n)
+                xs.append(codec.decode(c.payload, n))
             except CodecError as e:
                 raise CodecError(f"contribution {i}: {e}") from e
-        wi = np.float32(w[i])
-        for j in range(0, n, _ACC_STEP):
-            t = tmp[: min(_ACC_STEP, n - j)]
+    weights = [np.float32(wi) for wi in w]
+    acc = np.empty(n, dtype=np.float32)
+    # acc = ((0 + w_0 x_0) + w_1 x_1) + ... slice by slice: each slice of acc stays in the
+    # CPU cache while every contribution is added to it, so each x_i is read once and acc
+    # written once (the whole-array order read and wrote acc once per contribution: this is
+    # memory-bound). Same float32 operations in the same order, so the same bits.
+    tmp = np.empty(min(n, _ACC_STEP), dtype=np.float32)
+    for j in range(0, n, _ACC_STEP):
+        a = acc[j : j + _ACC_STEP]
+        t = tmp[: a.size]
+        a.fill(0.0)
+        for x, wi in zip(xs, weights, strict=True):
             np.multiply(x[j : j + _ACC_STEP], wi, out=t)
-            np.add(acc[j : j + _ACC_STEP], t, out=acc[j : j + _ACC_STEP])
-        del x
+            np.add(a, t, out=a)
+    del xs
     # all finite <=> max and min finite (a NaN propagates into both); no bool temporary
     if n and not (np.isfinite(np.maximum.reduce(acc)) and np.isfinite(np.minimum.reduce(acc))):
         raise RejectedInput("the weighted mean overflowed float32")

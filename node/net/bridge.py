@@ -83,6 +83,7 @@ import msgpack
 import numpy as np
 import trio
 
+from atoll.node.net.heap import keep_freed_memory
 from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
 from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.schedule import Schedule
@@ -379,6 +380,7 @@ def _child_main(
     shared: SharedFragments | None = None
     code = 0
     try:
+        keep_freed_memory()  # each round reuses the pages of the one before
         module, _, attr = worker.partition(":")
         fn = getattr(importlib.import_module(module), attr)
         shared = SharedFragments.attach(names, sizes)

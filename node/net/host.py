@@ -363,8 +363,11 @@ class AtollHost:
         """
         head, tail = encode_message_pieces(msg)
         header = frame_header(len(head) + len(tail), max_bytes=self._config.max_frame_bytes)
-        # a large payload goes out behind its header in a second write, never copied
-        pieces = [header + head, tail] if tail else [header + head]
+        # a large payload goes out behind its header in a second write, never copied (as a
+        # memoryview, yamux cuts it into frames without copying each frame's slice first)
+        pieces: list[bytes | memoryview] = [header + head]
+        if tail:
+            pieces.append(memoryview(tail))
         size = len(header) + len(head) + len(tail)
         pid = self._parse_peer_id(peer_id)
         out = self._outgoing.setdefault(peer_id, _Outgoing())
@@ -373,7 +376,7 @@ class AtollHost:
                 stream = await self._stream_of(out, PeerInfo(pid, []), peer_id)
                 try:
                     for piece in pieces:
-                        await stream.write(piece)
+                        await stream.write(piece)  # type: ignore[arg-type]  # yamux slices any buffer
                 except BaseException as e:
                     # a write cut short (error, timeout, cancellation) may have left part
                     # of a frame on the stream, which is then out of step: drop it

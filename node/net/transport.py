@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from typing import cast
 
 import trio
 from cryptography.exceptions import InvalidTag
@@ -59,6 +60,7 @@ FRAME_PAYLOAD = 16 * MAX_PLAINTEXT - _yamux.HEADER_SIZE
 """Payload of the largest yamux DATA frame atoll sends: header and payload fill exactly
 16 Noise messages (1,048,292 bytes of payload). The receive window still bounds it."""
 _RECV_CHUNK = 1 << 20  # bytes asked of the socket per read
+_HAND_OVER = 1 << 16  # reads from this size on return their bytearray, not a bytes copy
 _LEN = struct.Struct(">H")
 _NONCE_PAD = b"\x00\x00\x00\x00"
 
@@ -105,7 +107,8 @@ class LeanNoiseSession(SecureSession):
     py-libp2p's :class:`SecureSession`.
 
     ``read(n)`` returns exactly ``n`` bytes, or fewer only when the connection ends (as
-    py-libp2p's does); ``read()`` returns what one message or the buffer holds. A message
+    py-libp2p's does), as a ``bytearray`` from 64 KiB on (the buffer it decrypted into);
+    ``read()`` returns what one message or the buffer holds. A message
     whose tag does not verify raises ``NoiseInvalidMessage`` and the session is unusable
     from then on (the nonces are out of step). Writes are sealed and sent under one lock,
     so nonce order is wire order whoever writes.
@@ -175,7 +178,11 @@ class LeanNoiseSession(SecureSession):
                 out[filled:n] = memoryview(msg)[:need]
                 self._plain, self._plain_pos = msg, need
                 filled = n
-        return bytes(out) if out is not None else b""
+        if out is None:
+            return b""
+        # a large read (a yamux frame's body) hands over its buffer: no one else holds it,
+        # and yamux only appends it to the stream's buffer
+        return cast(bytes, out) if n >= _HAND_OVER else bytes(out)
 
     def _take(self, n: int) -> bytes:
         start = self._plain_pos
