@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 import random
-import select
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import multiaddr
 import pytest
@@ -51,6 +51,19 @@ def pattern(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+async def echo(stream: Any) -> None:
+    """Send back what arrives on a libp2p stream until it ends, then close it."""
+    while True:
+        try:
+            data = await stream.read(1 << 20)
+        except Exception:  # EOF or reset: the other side is done
+            break
+        if not data:
+            break
+        await stream.write(data)
+    await stream.close()
+
+
 # -- the stock py-libp2p peer (this file run as a script) -----------------------------------
 async def _stock_main() -> None:
     from libp2p import new_host
@@ -70,17 +83,6 @@ async def _stock_main() -> None:
         sec_opt={NOISE: NoiseTransport(kp, x25519_pair().private_key)},
         muxer_opt={TProtocol(YAMUX): Yamux},
     )
-
-    async def echo(stream: object) -> None:
-        while True:
-            try:
-                data = await stream.read(1 << 20)  # type: ignore[attr-defined]
-            except Exception:
-                break
-            if not data:
-                break
-            await stream.write(data)  # type: ignore[attr-defined]
-        await stream.close()  # type: ignore[attr-defined]
 
     host.set_stream_handler(TProtocol(ECHO), echo)
     async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
@@ -232,16 +234,39 @@ def test_reads_reference_messages_cut_anywhere() -> None:
     trio.run(body)
 
 
+@asynccontextmanager
+async def reading_session() -> AsyncIterator[tuple[Any, trio.SocketStream]]:
+    """A lean session reading what the other end of its TCP connection sends."""
+    async with tcp_pair() as (a, b):
+        yield lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0)), b
+
+
+def test_a_read_without_a_size_returns_one_message_and_skips_empty_ones() -> None:
+    async def body() -> None:
+        async with reading_session() as (session, b):
+            wire = reference_messages(b"first", KEY_B, 0) + reference_messages(b"", KEY_B, 1)
+            wire += reference_messages(b"second", KEY_B, 2)
+            await b.send_all(wire)
+            with trio.fail_after(10):
+                assert await session.read() == b"first"
+                assert await session.read(3) == b"sec"  # part of a message ...
+                assert await session.read() == b"ond"  # ... and the rest of it
+                await b.aclose()
+                with pytest.raises(IncompleteReadError):
+                    await session.read()
+
+    trio.run(body)
+
+
 def test_a_flipped_bit_fails_the_session_for_good() -> None:
     async def body() -> None:
-        async with tcp_pair() as (a, b):
-            session = lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0))
+        async with reading_session() as (session, b):
             wire = bytearray(reference_messages(b"hello, swarm" * 100, KEY_B, 0))
             wire[40] ^= 0x04
             await b.send_all(bytes(wire) + reference_messages(b"next", KEY_B, 1))
             with trio.fail_after(10):
                 with pytest.raises(NoiseInvalidMessage, match="authentication"):
-                    await session.read(1200)  # type: ignore[attr-defined]
+                    await session.read(1200)
                 with pytest.raises(NoiseInvalidMessage):  # the nonces are out of step now
                     await session.read(4)  # type: ignore[attr-defined]
 
@@ -250,8 +275,7 @@ def test_a_flipped_bit_fails_the_session_for_good() -> None:
 
 def test_a_runt_message_is_refused() -> None:
     async def body() -> None:
-        async with tcp_pair() as (a, b):
-            session = lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0))
+        async with reading_session() as (session, b):
             await b.send_all(b"\x00\x05hello")  # shorter than a tag: no Noise message
             with trio.fail_after(10), pytest.raises(NoiseInvalidMessage, match="shorter"):
                 await session.read(5)  # type: ignore[attr-defined]
@@ -261,8 +285,7 @@ def test_a_runt_message_is_refused() -> None:
 
 def test_a_connection_ending_inside_a_message_ends_the_read() -> None:
     async def body() -> None:
-        async with tcp_pair() as (a, b):
-            session = lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0))
+        async with reading_session() as (session, b):
             whole = reference_messages(b"x" * 10, KEY_B, 0)
             half = reference_messages(b"y" * 1000, KEY_B, 1)[:500]
             await b.send_all(whole + half)
@@ -278,21 +301,17 @@ def test_a_connection_ending_inside_a_message_ends_the_read() -> None:
 
 # -- interoperation with stock py-libp2p ----------------------------------------------------
 def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """The stock peer's next stdout line, waited for at most ``timeout_s``."""
     assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    deadline = time.monotonic() + timeout_s
-    buf = b""
-    while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no line from the stock peer within {timeout_s} s")
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            chunk = os.read(fd, 1)
-            if not chunk:
-                raise EOFError(f"the stock peer exited with {proc.wait(timeout=15)}")
-            buf += chunk
-    return buf.decode().strip()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(timeout_s)
+    if not got:
+        raise TimeoutError(f"no line from the stock peer within {timeout_s} s")
+    if not got[0]:
+        raise EOFError(f"the stock peer exited with {proc.wait(timeout=15)}")
+    return got[0].decode().strip()
 
 
 @pytest.mark.timeout(240)
@@ -314,22 +333,15 @@ def test_stock_py_libp2p_and_atoll_move_data_both_ways(tmp_path: Path) -> None:
         )
     sessions: list[object] = []
 
-    async def echo(stream: object) -> None:
-        sessions.append(stream.muxed_conn.secured_conn)  # type: ignore[attr-defined]
-        while True:
-            try:
-                data = await stream.read(1 << 20)  # type: ignore[attr-defined]
-            except Exception:
-                break
-            if not data:
-                break
-            await stream.write(data)  # type: ignore[attr-defined]
+    async def noting_echo(stream: Any) -> None:
+        sessions.append(stream.muxed_conn.secured_conn)
+        await echo(stream)
 
     async def body() -> None:
         config = HostConfig(dial_timeout_s=30, hello_timeout_s=30, send_timeout_s=60)
         identity = generate()
         async with open_libp2p_host(identity, config) as host:
-            host.set_stream_handler(TProtocol(ECHO), echo)
+            host.set_stream_handler(TProtocol(ECHO), noting_echo)
             stock_addr = _read_line(proc, START_TIMEOUT_S).split()[1]
             info = info_from_p2p_addr(multiaddr.Multiaddr(stock_addr))
             with trio.fail_after(120):
