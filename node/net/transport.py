@@ -17,7 +17,10 @@ rust-libp2p see the same Noise XX session and yamux frames:
   whole write (many messages) into one buffer sent with one socket write. The framing is
   the Noise spec's for libp2p: a 2-byte big-endian length, then ciphertext with its 16-byte
   tag; nonces count up from the handshake's, little-endian, after four zero bytes
-  (ChaCha20-Poly1305 as the Noise spec, section 12.4, defines it).
+  (ChaCha20-Poly1305 as the Noise spec, section 12.4, defines it). A send that has begun
+  is finished even when its writer is cancelled (bounded by the writer's deadline plus
+  :data:`WRITE_GRACE_S`), so a timeout never leaves half a message on the wire, which
+  would break the whole connection.
 - :class:`LeanYamux` writes frames without per-frame debug work and reads a DATA frame's
   body with one call. With it the host lets yamux frames carry up to
   :data:`FRAME_PAYLOAD` bytes (yamux allows any length within the receive window), so one
@@ -31,6 +34,7 @@ else keeps py-libp2p's session unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 from typing import cast
@@ -39,7 +43,7 @@ import trio
 from cryptography.exceptions import InvalidTag
 from libp2p.abc import IRawConnection, ISecureConn
 from libp2p.io.abc import ReadWriteCloser
-from libp2p.io.exceptions import IncompleteReadError
+from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError
 from libp2p.peer.id import ID
 from libp2p.security.noise.io import MAX_NOISE_MESSAGE_LEN, NoiseTransportReadWriter
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -61,6 +65,9 @@ FRAME_PAYLOAD = 16 * MAX_PLAINTEXT - _yamux.HEADER_SIZE
 16 Noise messages (1,048,292 bytes of payload). The receive window still bounds it."""
 _RECV_CHUNK = 1 << 20  # bytes asked of the socket per read
 _HAND_OVER = 1 << 16  # reads from this size on return their bytearray, not a bytes copy
+WRITE_GRACE_S = 10.0
+"""How long past its writer's deadline a send that has begun may take to finish before
+the connection counts as dead."""
 _LEN = struct.Struct(">H")
 _NONCE_PAD = b"\x00\x00\x00\x00"
 
@@ -133,7 +140,8 @@ class LeanNoiseSession(SecureSession):
         self._in_pos = 0
         self._plain = b""  # an opened message not yet returned whole, from _plain_pos
         self._plain_pos = 0
-        self._failed: str | None = None
+        self._failed: str | None = None  # why reading broke for good
+        self._write_failed: str | None = None  # why writing broke for good
 
     # -- reading ----------------------------------------------------------------------------
     async def read(self, n: int | None = None) -> bytes:
@@ -277,7 +285,41 @@ class LeanNoiseSession(SecureSession):
                         tx.n += 1
                         pos += 2 + length
                     del chunk
+                await self._send_whole(out)
+
+    async def _send_whole(self, out: bytearray) -> None:
+        """Send sealed messages whole, even when the writer is cancelled meanwhile.
+
+        Cancelling a write half-way would leave part of a Noise message on the wire (or
+        messages whose nonces were used but never sent): every later message on the
+        connection then fails to decrypt at the peer, and all its streams die with it.
+        That was the cause of failed rounds in a local swarm (DHT polls and sends cut
+        short when a round ended). So the send is shielded, and a cancellation of the
+        writer takes effect when it returns. The writer's own deadline still bounds it,
+        :data:`WRITE_GRACE_S` later: a send still not through by then goes to a dead or
+        stalled peer, so the connection is closed, and this write and every later one
+        fail. (A writer without a deadline waits as long as the send does, as before;
+        closing the host closes the connection, which ends it.)
+        """
+        if self._write_failed is not None:
+            raise ConnectionClosedError(self._write_failed)
+        deadline = trio.current_effective_deadline() + WRITE_GRACE_S  # before the shield
+        with trio.CancelScope(shield=True, deadline=deadline) as scope:
+            try:
                 await self._raw.write(out)  # type: ignore[arg-type]  # any buffer goes
+            except BaseException as e:
+                self._write_failed = f"connection failed while sending: {e!r}"
+                raise
+        if scope.cancelled_caught:
+            self._write_failed = (
+                f"sending {len(out)} bytes outlasted the writer's deadline by "
+                f"{WRITE_GRACE_S} s; connection closed"
+            )
+            with trio.CancelScope(shield=True) as closing:
+                closing.deadline = trio.current_time() + 1.0
+                with contextlib.suppress(Exception):
+                    await self._raw.close()
+            raise ConnectionClosedError(self._write_failed)
 
 
 class LeanYamux(_yamux.Yamux):

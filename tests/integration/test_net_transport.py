@@ -30,7 +30,7 @@ from typing import Any
 import multiaddr
 import pytest
 import trio
-from libp2p.io.exceptions import IncompleteReadError
+from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
@@ -254,6 +254,56 @@ def test_a_read_without_a_size_returns_one_message_and_skips_empty_ones() -> Non
                 await b.aclose()
                 with pytest.raises(IncompleteReadError):
                     await session.read()
+
+    trio.run(body)
+
+
+def test_a_cancelled_write_still_sends_whole_messages() -> None:
+    """Cancelled while its 8 MB wait in a full socket, a write finishes its messages: the
+    reader gets them intact, and the connection carries the next write."""
+
+    async def body() -> None:
+        async with tcp_pair() as (a, b):
+            writer = lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0))
+            reader = lean(b, cipher_state(KEY_B, 0), cipher_state(KEY_A, 0))
+            big, after = pattern(8 << 20, 8), b"after the cancelled write"
+            cancelled = []
+
+            async def write() -> None:
+                with trio.move_on_after(0.05) as scope:
+                    await writer.write(big)  # type: ignore[attr-defined]  # blocks: no reader yet
+                    await trio.sleep(0)  # the cancellation lands here, after the write
+                cancelled.append(scope.cancelled_caught)
+                await writer.write(after)  # type: ignore[attr-defined]
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(write)
+                    await trio.sleep(0.3)  # the writer is cancelled while blocked
+                    assert await reader.read(len(big)) == big  # type: ignore[attr-defined]
+                    assert await reader.read(len(after)) == after  # type: ignore[attr-defined]
+            assert cancelled == [True]
+
+    trio.run(body)
+
+
+def test_a_write_stuck_past_its_deadline_closes_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from atoll.node.net import transport
+
+    monkeypatch.setattr(transport, "WRITE_GRACE_S", 0.3)
+
+    async def body() -> None:
+        async with tcp_pair() as (a, _b):  # the peer never reads
+            writer = lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0))
+            t0 = trio.current_time()
+            with pytest.raises(ConnectionClosedError, match="outlasted"):
+                with trio.move_on_after(0.2):
+                    await writer.write(pattern(32 << 20, 9))  # type: ignore[attr-defined]
+            assert 0.45 <= trio.current_time() - t0 < 5
+            with pytest.raises(ConnectionClosedError):  # and for good
+                await writer.write(b"more")  # type: ignore[attr-defined]
 
     trio.run(body)
 
