@@ -112,7 +112,7 @@ def _describe_nonfinite(a: np.ndarray) -> str:
 def _all_finite(a: np.ndarray) -> bool:
     """Whether the flat float array ``a`` holds no NaN and no ±inf (measured: faster than
     a max/min reduction, and 2.6x faster than ``abs(a).max() < inf``, which copies ``a``)."""
-    return not a.size or bool(np.isfinite(a).all())
+    return bool(np.isfinite(a).all())
 
 
 def _refuse_nonfinite(a: np.ndarray, codec: str) -> None:

@@ -295,7 +295,11 @@ def encode_message(msg: object) -> bytes:
     schema = _BY_CLASS.get(type(msg))
     if schema is None:
         raise CodecError(f"{type(msg).__qualname__} is not a registered message")
-    values = _checked(schema, [getattr(msg, name) for name in schema.names])
+    return _pack(schema, _checked(schema, [getattr(msg, name) for name in schema.names]))
+
+
+def _pack(schema: _Schema, values: list[object]) -> bytes:
+    """The envelope ``[version, kind, fields]`` of checked ``values``, packed."""
     try:
         packed: bytes = msgpack.packb([PROTOCOL_VERSION, schema.kind, values], use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:  # e.g. a str with a lone surrogate
@@ -308,9 +312,9 @@ def encode_message_pieces(msg: object) -> tuple[bytes, bytes]:
     bytes, without copying a large last field into it.
 
     When the message's last field is ``bytes`` of :data:`_LARGE_BODY` bytes or more (the
-    payload of a part or of a state chunk) it becomes ``tail`` as it is, and ``head`` ends
-    with its msgpack ``bin 32`` header; otherwise ``tail`` is empty. Packing a 25 MB part
-    into one message copied it once more (7% of an fp32 round's CPU).
+    payload of an all-reduce part or reduced chunk) it becomes ``tail`` as it is, and
+    ``head`` ends with its msgpack ``bin 32`` header; otherwise ``tail`` is empty. Packing
+    a 25 MB part into one message copied it once more (7% of an fp32 round's CPU).
     """
     schema = _BY_CLASS.get(type(msg))
     if schema is None:
@@ -319,18 +323,16 @@ def encode_message_pieces(msg: object) -> tuple[bytes, bytes]:
     tail = values[-1] if values else None
     if not isinstance(tail, bytes) or len(tail) < _LARGE_BODY:
         return encode_message(msg), b""
+    if len(tail) > 0xFFFFFFFF:  # over msgpack's bin 32, as encode_message would say
+        raise CodecError(f"{schema.cls.__qualname__}: cannot encode: bytes too large")
     values = _checked(schema, values)
-    values[-1] = b""  # packs as bin 8 of length 0: c4 00, the last two bytes
-    try:
-        packed: bytes = msgpack.packb([PROTOCOL_VERSION, schema.kind, values], use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise CodecError(f"{schema.cls.__qualname__}: cannot encode: {e}") from e
-    if not packed.endswith(_EMPTY_BIN) or len(tail) > 0xFFFFFFFF:
-        return encode_message(msg), b""
+    # the last field is the envelope's last item: packed empty, it is its last two bytes
+    values[-1] = b""
+    packed = _pack(schema, values)
     return packed[: -len(_EMPTY_BIN)] + _BIN32 + _BIN32_LEN.pack(len(tail)), tail
 
 
-_EMPTY_BIN = b"\xc4\x00"
+_EMPTY_BIN = b"\xc4\x00"  # msgpack bin 8 of length 0
 _BIN32 = b"\xc6"
 _BIN32_LEN = struct.Struct(">I")
 

@@ -104,7 +104,8 @@ def weighted_mean(
     payloads to check them need not decode them again) and accumulated in
     float32 as ``sum_i (w_i / W) * x_i`` with ``W = sum_i w_i`` (Streaming DiLoCo,
     arXiv 2501.18512: summation stays in fp32; token weights as in Decoupled DiLoCo,
-    arXiv 2604.21428).
+    arXiv 2604.21428). Every decoded contribution is held at once (the sum runs slice by
+    slice over all of them).
 
     Raises:
         ConfigError: no contributions (the caller must check its quorum first), or a
@@ -142,7 +143,6 @@ def weighted_mean(
         for x, wi in zip(xs, weights, strict=True):
             np.multiply(x[j : j + _ACC_STEP], wi, out=t)
             np.add(a, t, out=a)
-    del xs
     # all finite <=> max and min finite (a NaN propagates into both); no bool temporary
     if n and not (np.isfinite(np.maximum.reduce(acc)) and np.isfinite(np.minimum.reduce(acc))):
         raise RejectedInput("the weighted mean overflowed float32")

@@ -169,9 +169,9 @@ class LeanNoiseSession(SecureSession):
         while filled < n:
             size = await self._next_size()
             if size < 0:  # the connection ended
-                if filled == 0:
+                if out is None or filled == 0:
                     raise IncompleteReadError("Connection closed", n, 0)
-                return bytes(memoryview(out)[:filled]) if out is not None else b""
+                return bytes(out[:filled])
             if out is None:
                 if size == n:  # the common case of a read that one message fills
                     msg = self._open(size)
@@ -315,10 +315,11 @@ class LeanNoiseSession(SecureSession):
                 f"sending {len(out)} bytes outlasted the writer's deadline by "
                 f"{WRITE_GRACE_S} s; connection closed"
             )
-            with trio.CancelScope(shield=True) as closing:
-                closing.deadline = trio.current_time() + 1.0
-                with contextlib.suppress(Exception):
-                    await self._raw.close()
+            with (
+                trio.CancelScope(shield=True, deadline=trio.current_time() + 1.0),
+                contextlib.suppress(Exception),
+            ):
+                await self._raw.close()
             raise ConnectionClosedError(self._write_failed)
 
 
@@ -343,5 +344,4 @@ class LeanYamux(_yamux.Yamux):
 def tune_frames() -> None:
     """Let yamux frames carry :data:`FRAME_PAYLOAD` bytes (the module constant is read at
     each write, so this takes effect for the process)."""
-    if _yamux.MAX_MESSAGE_SIZE != FRAME_PAYLOAD + _yamux.HEADER_SIZE:
-        _yamux.MAX_MESSAGE_SIZE = FRAME_PAYLOAD + _yamux.HEADER_SIZE
+    _yamux.MAX_MESSAGE_SIZE = FRAME_PAYLOAD + _yamux.HEADER_SIZE
