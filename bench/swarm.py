@@ -6,9 +6,11 @@ forward, backward and optimizer steps divided by the wall time of the training l
 time blocked on the network, on matchmaking or on anything else shows) and tokens/s.
 
     python bench/swarm.py --json runs/swarm-loopback.json
-    wanlab up 4 --rate 50mbit --delay 40ms        # as root, ../shared/tools/wanlab
-    python bench/swarm.py --wanlab ../shared/tools/wanlab/wanlab --json runs/swarm-wan.json
+    wanlab up 4 --rate 50mbit --delay 40ms        # as root
+    python bench/swarm.py --wanlab /path/to/wanlab --json runs/swarm-wan.json
 
+wanlab is a separate network-namespace lab, not part of atoll: ``wanlab exec I CMD...``
+runs CMD in namespace I and ``wanlab ip I`` prints its address (:mod:`atoll.node.demo`).
 With ``--wanlab`` node i runs inside the lab's namespace i (rate, delay and loss as the lab
 was brought up); the bootstrap shares node 0's namespace. The JSON holds the per-node
 figures, their minimum and mean, the demo's summary and the machine.

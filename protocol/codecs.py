@@ -8,7 +8,7 @@ Four formats, from lossless to 4 bits per value:
 - ``e3m0``  blockwise 4-bit floats with a sign bit, a 3-bit exponent and no mantissa, the
   low-precision exchange of Streaming DiLoCo (Douillard et al., arXiv 2501.18512, section
   on FP4 / E3M0 communication). The paper leaves scaling and rounding open; our choices are
-  written in ALGORITHMS.md 2.4 and in :class:`E3M0Codec`. ``e3m0-sr`` is the same wire
+  written in docs/ALGORITHMS.md §2.4 and in :class:`E3M0Codec`. ``e3m0-sr`` is the same wire
   format encoded with stochastic (unbiased) rounding.
 
 A payload carries no header: the message around it names the codec and the number of
@@ -550,7 +550,8 @@ class E3M0Codec(Codec):
     """Blockwise 4-bit floats with 1 sign bit, 3 exponent bits and no mantissa (E3M0).
 
     This is the FP4 exchange of Streaming DiLoCo (arXiv 2501.18512, section on low-precision
-    communication with E3M0), with the scaling and rounding choices of ALGORITHMS.md 2.4:
+    communication with E3M0), with the scaling and rounding choices of
+    docs/ALGORITHMS.md §2.4:
 
     - per block of ``block`` values a scale ``s = max|x|``, stored as bfloat16 rounded
       *up* (so every ``|x| <= s``), 0 for an all-zero block;

@@ -66,7 +66,7 @@ AGGREGATIONS = ("mean", "rda")
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Settings of the outer loop (ALGORITHMS.md 1 and 2)."""
+    """Settings of the outer loop (docs/ALGORITHMS.md §1 and §2)."""
 
     H: int = 100
     """inner steps between two syncs of the same fragment"""
@@ -416,7 +416,7 @@ def average_requests(
     """The reference group reduction: what every member receives, and bytes sent per peer.
 
     Dequantize every contribution, take the token-weighted fp32 mean, encode it once and
-    decode (ALGORITHMS.md 2.4). With RDA the members' unit directions go through the same
+    decode (docs/ALGORITHMS.md §2.5). With RDA the members' unit directions go through the
     reduction and the result is rescaled to the weighted mean norm. The byte count is that
     of a bandwidth-optimal reduce-scatter + all-gather of the encoded vector.
     """

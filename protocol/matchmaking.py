@@ -5,7 +5,7 @@ When a peer reaches fragment ``p``'s sync step it publishes a :class:`Declaratio
 that sync computes alike (the swarm uses the fragment's global version, so peers of
 different speeds meet; see :mod:`atoll.node.net.swarm`). Peers see each other's
 declarations late and not all at once, so there is no moment at which everybody sees the
-same set. Decoupled DiLoCo (arXiv 2604.21428, section 3 of ALGORITHMS.md) asks for a
+same set. Decoupled DiLoCo (arXiv 2604.21428; docs/ALGORITHMS.md §3.3, §4.1) asks for a
 minimum quorum, a grace window for late peers and a cap on the group;
 :class:`Matchmaker` is one peer's side of forming such a group, as a sans-IO state
 machine (events in, :data:`Action` values out).

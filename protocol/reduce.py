@@ -1,4 +1,4 @@
-"""Reduction of several peers' encoded contributions (ALGORITHMS.md 2.4 and 3).
+"""Reduction of several peers' encoded contributions (docs/ALGORITHMS.md §2.5 and §3).
 
 The all-reduce of Streaming DiLoCo's low-precision exchange (arXiv 2501.18512) must not
 compound quantization error. Each peer encodes its pseudo-gradient once; in the
@@ -159,7 +159,7 @@ def reduce_encoded(
     """What a chunk's owner sends back: :func:`weighted_mean`, encoded once with ``codec``.
 
     The mean is quantized a single time, after the fp32 sum, never hop by hop
-    (ALGORITHMS.md 2.4; Streaming DiLoCo, arXiv 2501.18512). ``rng`` is passed to the
+    (docs/ALGORITHMS.md §2.5; Streaming DiLoCo, arXiv 2501.18512). ``rng`` is passed to the
     encoder (stochastic rounding only); ``decoded`` to :func:`weighted_mean`. Errors are
     those of :func:`weighted_mean`.
     """
