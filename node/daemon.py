@@ -4,7 +4,7 @@ The trainer is plain synchronous PyTorch in this process; the swarm (host, DHT, 
 all-reduce, the outer engine) runs in a network process of its own
 (:func:`atoll.node.net.swarm.swarm_worker` behind a
 :class:`~atoll.node.net.bridge.NetworkBridge`), so that a transfer never steals the
-trainer's GIL (ARCHITECTURE.md, "Concurrency"). Per inner step:
+trainer's GIL (docs/DESIGN.md, "Concurrency"). Per inner step:
 
 1. train one step (AdamW, the manifest's schedule), on this peer's own data stream;
 2. for every fragment whose sync is due (Streaming DiLoCo's schedule, arXiv 2501.18512):

@@ -1,7 +1,7 @@
 """The bridge between the trainer and the node's network process.
 
 The training loop is plain synchronous PyTorch in the node's main process; all networking
-runs in one trio event loop in a *separate* process (ARCHITECTURE.md, "Concurrency": a
+runs in one trio event loop in a *separate* process (docs/DESIGN.md, "Concurrency": a
 trio thread inside the trainer cut its step rate to 10-27% during a bulk transfer). The
 :class:`~atoll.protocol.engine.OuterEngine` lives in the network process: it owns the
 global copies and the outer optimizer states, encodes, exchanges and applies the outer
