@@ -1,4 +1,5 @@
-"""Packaging guard and the import-direction rule of ARCHITECTURE.md."""
+"""Packaging guard, the import-direction rule (docs/DESIGN.md, "Packages") and the rule
+that nothing in the repository points outside it."""
 
 from __future__ import annotations
 
@@ -85,3 +86,42 @@ def test_protocol_does_not_import_torch() -> None:
 def test_importing_the_protocol_loads_no_torch() -> None:
     code = "import sys, atoll.protocol; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    """Tracked files cite only in-repository documents, and every ``§N`` they cite of
+    docs/ALGORITHMS.md is a section heading there. The needles are built from pieces so
+    that this file can be scanned too."""
+    import re
+
+    algorithms = "ALGORITHMS" + ".md"
+    outside = ("../" + "shared", "shared/" + "design", "ARCHITECTURE" + ".md", "ANCHORS" + ".md")
+    bare = re.compile(r"(?<!docs/)\b" + re.escape(algorithms))
+    cite = re.compile(re.escape("docs/" + algorithms) + r"((?:[\s,;]*(?:and\s+)?§[\d.]*\d)+)")
+    doc = (ROOT / "docs" / algorithms).read_text()
+    sections = set(re.findall(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", doc, re.M))
+    assert {"1", "2", "2.4"} <= sections, "docs/ALGORITHMS.md lost its numbered sections"
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60
+    ).stdout.decode()
+    wrong = []
+    for rel in filter(None, listed.split("\0")):
+        if rel.startswith("docs/results/") and rel.endswith(".json"):
+            continue
+        try:
+            text = (ROOT / rel).read_text(encoding="utf-8")
+        except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+            continue  # deleted in the work tree, a submodule, or binary
+        for needle in outside:
+            if needle in text:
+                wrong.append(f"{rel}: mentions {needle!r}")
+        if bare.search(text):
+            wrong.append(f"{rel}: cites {algorithms} other than as docs/{algorithms}")
+        cited = [m.group(1) for m in cite.finditer(text)]
+        if rel == "docs/" + algorithms:
+            cited.append(text)  # its own cross-references
+        for group in cited:
+            for sec in re.findall(r"§([\d.]*\d)", group):
+                if sec not in sections:
+                    wrong.append(f"{rel}: cites docs/{algorithms} §{sec}, which does not exist")
+    assert not wrong, "\n".join(wrong)
