@@ -97,7 +97,7 @@ def test_nothing_points_outside_the_repository() -> None:
     algorithms = "ALGORITHMS" + ".md"
     outside = ("../" + "shared", "shared/" + "design", "ARCHITECTURE" + ".md", "ANCHORS" + ".md")
     bare = re.compile(r"(?<!docs/)\b" + re.escape(algorithms))
-    cite = re.compile(re.escape("docs/" + algorithms) + r"((?:[\s,;]*(?:and\s+)?§[\d.]*\d)+)")
+    cite = re.compile(re.escape("docs/" + algorithms) + r"`?((?:[\s,;]*(?:and\s+)?§[\d.]*\d)+)")
     doc = (ROOT / "docs" / algorithms).read_text()
     sections = set(re.findall(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", doc, re.M))
     assert {"1", "2", "2.4"} <= sections, "docs/ALGORITHMS.md lost its numbered sections"
