@@ -86,6 +86,7 @@ class NodeSummary:
     stopped_by: str
     global_digest: str
     info: dict[str, Any] = field(default_factory=dict)
+    """the network process's last :class:`~atoll.node.net.status.NodeStatus` (as_dict)"""
 
     @property
     def utilisation(self) -> float:
@@ -142,7 +143,9 @@ def run_node(
     """Train as one peer of the swarm ``cfg`` names until ``cfg.steps`` or a stop signal.
 
     ``on_start`` is called once the node joined and caught up, with the network
-    process's info (``peer_id``, ``addrs``, ``run_id``, ``start_step``).
+    process's status as a dict (:meth:`NodeStatus.as_dict
+    <atoll.node.net.status.NodeStatus.as_dict>`: ``peer_id``, ``addrs``, ``run_id``,
+    ``start_step``, ...).
     """
     manifest = RunManifest.load(Path(cfg.run).expanduser())
     run_id = manifest.run_id()
@@ -236,14 +239,14 @@ def _train(
     run_id: str,
     seq_len: int,
 ) -> NodeSummary:
-    info = bridge.info
-    start = int(info.get("start_step", 0))
+    status = bridge.status
+    start = status.start_step
     # the swarm's global copies (the seed's, or a peer's after a catch-up) start training
     for p in range(len(shared)):
         views.set(p, shared.global_(p))
-    logger.info("peer %s trains from step %d", info.get("peer_id"), start)
+    logger.info("peer %s trains from step %d", status.peer_id, start)
     if on_start is not None:
-        on_start(dict(info))
+        on_start(status.as_dict())
     t0 = time.perf_counter()
     tokens = 0
     losses: list[float] = []
@@ -266,7 +269,7 @@ def _train(
                 logger.info("fragment %d: late result merged at step %d", p, step)
             if outcome.reason.startswith("rebased"):
                 # the swarm got ahead in time, not only in versions: rejoin its rounds
-                jump_to = max(jump_to, int(info.get("swarm_step", 0)))
+                jump_to = max(jump_to, bridge.status.swarm_step)
         else:
             logger.info("fragment %d: round skipped (%s)", outcome.fragment, outcome.reason)
 
@@ -316,6 +319,7 @@ def _train(
             last_report = time.monotonic()
             window = losses[-cfg.log_every :]
             wall = time.perf_counter() - t0
+            status = bridge.status
             progress(
                 {
                     "step": step,
@@ -325,12 +329,12 @@ def _train(
                     "wall_s": wall,
                     "compute_s": rep.timer.compute_s,
                     "net_wait_s": bridge.stats.wait_s,
-                    "peers": info.get("peers_seen", 0),
-                    "last_sync": info.get("last_sync", {}),
-                    "bytes_up": info.get("bytes_up", 0),
-                    "bytes_down": info.get("bytes_down", 0),
-                    "rounds_applied": info.get("rounds_applied", 0),
-                    "peer_id": info.get("peer_id", ""),
+                    "peers": status.peers_seen,
+                    "last_sync": {str(k): v for k, v in sorted(status.last_sync.items())},
+                    "bytes_up": status.bytes_up,
+                    "bytes_down": status.bytes_down,
+                    "rounds_applied": status.rounds_applied,
+                    "peer_id": status.peer_id,
                 }
             )
     # the rounds still in flight finish (bounded) so the last results are merged
@@ -339,16 +343,16 @@ def _train(
         if got is not None:
             take(got, late=False)
     wall = time.perf_counter() - t0
-    bridge.refresh(1.5)
+    status = bridge.refresh(1.5)
     eval_loss: float | None = None
     if cfg.eval_batches:
         val = rep.batcher.val_batches(cfg.eval_batches, 16)
         eval_loss = evaluate(rep.model, val, rep.device)
     done = len(losses)  # steps trained (jumps excluded)
-    peers = int(info.get("peers_seen", 0))
+    peers = status.peers_seen
     window = losses[-cfg.log_every :] or [float("nan")]
     return NodeSummary(
-        peer_id=str(info.get("peer_id", "")),
+        peer_id=status.peer_id,
         run_id=run_id,
         start_step=start,
         steps=done,
@@ -360,18 +364,18 @@ def _train(
         wall_s=wall,
         compute_s=rep.timer.compute_s,
         net_wait_s=bridge.stats.wait_s,
-        bytes_up=int(info.get("bytes_up", 0)),
-        bytes_down=int(info.get("bytes_down", 0)),
+        bytes_up=status.bytes_up,
+        bytes_down=status.bytes_down,
         ddp_bytes=allreduce_bytes_per_peer(4 * n_params, max(2, 1 + peers)) * done,
-        rounds_applied=int(info.get("rounds_applied", 0)),
-        rounds_failed=int(info.get("rounds_failed", 0)),
-        rounds_alone=int(info.get("rounds_alone", 0)),
-        rebases=int(info.get("rebases", 0)),
+        rounds_applied=status.rounds_applied,
+        rounds_failed=status.rounds_failed,
+        rounds_alone=status.rounds_alone,
+        rebases=status.rebases,
         waits_run_out=wait_runs_out,
         steps_jumped=jumped,
         stopped_by=stop.by or "steps",
         global_digest=_digest(shared),
-        info=dict(info),
+        info=status.as_dict(),
     )
 
 

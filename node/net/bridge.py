@@ -43,8 +43,10 @@ Commands (msgpack arrays)::
 
     trainer -> network   ["start", fragment, step, tokens]   ["shutdown"]
     network -> trainer   ["ready"]   ["outcome", fragment, step, applied, round, reason]
-                         ["info", {key: value}]   (status for the trainer's display;
-                                                   merged into NetworkBridge.info)
+                         ["status", {field: value}]   (the whole NodeStatus, wire form;
+                                                       becomes NetworkBridge.status)
+                         ["info", {field: value}]   (the older partial form: the fields
+                                                     it names update NetworkBridge.status)
                          ["error", text]   (the worker failed; the process then exits)
 
 Errors (added to the tree of :mod:`atoll.protocol.errors`)::
@@ -62,6 +64,7 @@ died). Shared memory is created and unlinked by the trainer; the child only atta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
@@ -84,6 +87,7 @@ import numpy as np
 import trio
 
 from atoll.node.net.heap import keep_freed_memory
+from atoll.node.net.status import BadStatus, NodeStatus
 from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
 from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.schedule import Schedule
@@ -99,6 +103,7 @@ __all__ = [
     "local_engine_worker",
     "merge",
     "post_info",
+    "post_status",
     "serve",
 ]
 
@@ -429,8 +434,8 @@ class NetworkBridge:
         self._finished: dict[int, SyncOutcome] = {}  # received, not yet handed out
         self._dead: str | None = None
         self._closed = False
-        self.info: dict[str, Any] = {}
-        """the latest ``info`` the worker sent (a dict it fills: peers, bytes, ...)"""
+        self.status = NodeStatus()
+        """the latest status the network process sent (peer id, peers, bytes, rounds)"""
         ctx = multiprocessing.get_context("spawn")
         cmd_r, self._cmd = ctx.Pipe(duplex=False)
         self._out, out_w = ctx.Pipe(duplex=False)
@@ -477,8 +482,8 @@ class NetworkBridge:
                     msg = _decode(self._out.recv_bytes(_MAX_MESSAGE))
                     if msg[0] == "ready":
                         return
-                    if msg[0] == "info" and len(msg) == 2 and isinstance(msg[1], dict):
-                        self.info.update(msg[1])
+                    if msg[0] in ("status", "info"):
+                        self._take_status(msg)
                         continue
                     if msg[0] == "error":
                         raise NetworkStartError(str(msg[1]))
@@ -568,12 +573,12 @@ class NetworkBridge:
         finally:
             self.stats.wait_s += time.monotonic() - t0
 
-    def refresh(self, timeout_s: float = 0.0) -> dict[str, Any]:
+    def refresh(self, timeout_s: float = 0.0) -> NodeStatus:
         """Read what the network process sent (waiting up to ``timeout_s`` for a first
-        message) and return the latest :attr:`info`; outcomes wait for :meth:`poll`."""
+        message) and return the latest :attr:`status`; outcomes wait for :meth:`poll`."""
         if not self._closed:
             self._drain(timeout_s)
-        return self.info
+        return self.status
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the network process: ask, wait ``timeout_s``, then kill. Never hangs."""
@@ -600,6 +605,22 @@ class NetworkBridge:
         self.close()
 
     # -- internals -----------------------------------------------------------------------
+    def _take_status(self, msg: list[Any]) -> None:
+        """``["status", whole]`` replaces :attr:`status`; ``["info", part]`` updates it.
+
+        A malformed status is a bug of the worker, not a reason to stop training: it is
+        logged and the status stays as it was.
+        """
+        try:
+            if len(msg) != 2:
+                raise BadStatus(f"{msg[0]} message of {len(msg)} items")
+            if msg[0] == "status":
+                self.status = NodeStatus.from_wire(msg[1])
+            else:
+                self.status = self.status.updated(msg[1])
+        except BadStatus as e:
+            log.warning("dropped a bad status from the network process: %s", e)
+
     def _check_usable(self) -> None:
         if self._closed:
             raise NetworkProcessError("the bridge is closed")
@@ -652,8 +673,8 @@ class NetworkBridge:
                 self.stats.applied += 1
             else:
                 self.stats.failed += 1
-        elif kind == "info" and len(msg) == 2 and isinstance(msg[1], dict):
-            self.info.update(msg[1])
+        elif kind in ("status", "info"):
+            self._take_status(msg)
         elif kind == "error":
             self._mark_dead(f"worker failed: {msg[1] if len(msg) > 1 else '?'}")
         else:
@@ -682,6 +703,7 @@ async def local_engine_worker(
     Simulation knobs: ``delay_s`` of network time per round; every ``fail_every``-th
     round fails (``injected fault``); ``load_s`` seconds of CPU load per round (encoding
     a random vector of ``load_numel`` values with the run's codec, again and again).
+    Before each outcome it posts its :class:`NodeStatus` (rounds, versions, last syncs).
     """
     engine = OuterEngine(
         config,
@@ -693,6 +715,7 @@ async def local_engine_worker(
     seen_tokens = 0
     rounds = 0
     load_rng = np.random.default_rng(seed + 1)
+    status = NodeStatus(peer_id="local", versions=tuple(0 for _ in range(len(shared))))
 
     def begin(p: int, step: int, tokens: int) -> SyncRequest:
         nonlocal seen_tokens
@@ -712,7 +735,20 @@ async def local_engine_worker(
         while trio.current_time() < end:
             await trio.to_thread.run_sync(engine.codec.encode, x, load_rng)
 
-    async def handle(p: int, step: int, tokens: int) -> SyncOutcome:
+    def report(outcome: SyncOutcome) -> SyncOutcome:
+        nonlocal status
+        applied = status.rounds_applied + outcome.applied
+        status = dataclasses.replace(
+            status,
+            rounds_applied=applied,
+            rounds_failed=status.rounds_failed + (not outcome.applied),
+            versions=tuple(engine.version(q) for q in range(len(shared))),
+            last_sync={**status.last_sync, outcome.fragment: outcome.reason or "applied"},
+        )
+        post_status(outbox, status)
+        return outcome
+
+    async def run_round(p: int, step: int, tokens: int) -> SyncOutcome:
         nonlocal rounds
         async with lock:
             request = await trio.to_thread.run_sync(begin, p, step, tokens)
@@ -735,10 +771,24 @@ async def local_engine_worker(
             raise
         return SyncOutcome(p, step, True, request.round)
 
+    async def handle(p: int, step: int, tokens: int) -> SyncOutcome:
+        return report(await run_round(p, step, tokens))
+
     await serve(inbox, outbox, handle)
 
 
+def post_status(outbox: Connection, status: NodeStatus) -> None:
+    """Send the whole ``status`` to the trainer (it becomes :attr:`NetworkBridge.status`).
+
+    The network process keeps its current status and sends a new one
+    (:func:`dataclasses.replace` for a partial change).
+    """
+    with contextlib.suppress(OSError):  # the trainer went away: serve() notices
+        _send(outbox, ["status", status.to_wire()])
+
+
 def post_info(outbox: Connection, info: dict[str, Any]) -> None:
-    """Send status ``info`` to the trainer (merged into :attr:`NetworkBridge.info`)."""
+    """Send part of the status: the fields ``info`` names update
+    :attr:`NetworkBridge.status` (the older form; :func:`post_status` replaces it)."""
     with contextlib.suppress(OSError):  # the trainer went away: serve() notices
         _send(outbox, ["info", info])

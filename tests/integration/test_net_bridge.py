@@ -27,6 +27,7 @@ from atoll.node.net.bridge import (
     SyncOutcome,
     merge,
 )
+from atoll.node.net.status import NodeStatus
 from atoll.node.train import InnerConfig, Replica
 from atoll.protocol.engine import EngineConfig, OuterEngine, average_requests
 from atoll.protocol.errors import ConfigError
@@ -131,6 +132,24 @@ def test_failures_are_reported_and_change_nothing(shared: SharedFragments) -> No
         assert out is not None and not out.applied and "CodecError" in out.reason, out
         assert bridge.alive
         assert (bridge.stats.applied, bridge.stats.failed) == (2, 2)
+        # the worker's status arrives typed, before each outcome (the NaN round never began)
+        status = bridge.status
+        assert (status.peer_id, status.rounds_applied, status.rounds_failed) == ("local", 2, 1)
+        assert status.versions == (2, 0, 0) and status.last_sync == {0: "applied"}
+
+
+def test_status_messages_old_info_and_bad_ones(shared: SharedFragments) -> None:
+    with _bridge(shared) as bridge:
+        assert bridge.status == NodeStatus()  # nothing sent yet
+        # messages as the network process sends them, handed to the trainer's reader
+        bridge._handle(["status", NodeStatus(peer_id="a", rounds_applied=3).to_wire()])
+        bridge._handle(["info", {"swarm_step": 40, "last_sync": {"1": "rebased v2"}}])
+        want = NodeStatus(peer_id="a", rounds_applied=3, swarm_step=40, last_sync={1: "rebased v2"})
+        assert bridge.status == want
+        bridge._handle(["info", {"swarm_step": "soon"}])  # a worker's bug: logged, dropped
+        bridge._handle(["status", [1, 2]])
+        bridge._handle(["status"])
+        assert bridge.status == want and bridge.alive
 
 
 def test_network_process_killed_mid_round(shared: SharedFragments) -> None:
