@@ -1,0 +1,454 @@
+"""One fragment sync, owned by one object: a sans-IO machine over the outer engine.
+
+A sync of fragment ``p`` (Streaming DiLoCo, arXiv 2501.18512; docs/ALGORITHMS.md §2) starts
+when the trainer hands over its local copy and ends with one decision: the group's
+averaged pseudo-gradient was applied (*committed*), or nothing was applied (*rolled
+back*), possibly followed by a copy of the state the swarm follows (*rebased*).
+:class:`FragmentSync` is that decision's only owner: it is the one caller of the
+engine's :meth:`~atoll.protocol.engine.OuterEngine.deliver`,
+:meth:`~atoll.protocol.engine.OuterEngine.skip` and
+:meth:`~atoll.protocol.engine.OuterEngine.import_fragment` in the whole code base.
+
+Like :class:`~atoll.protocol.allreduce.AllReduceRound`, it takes events and returns
+actions; a driver carries the actions out (the swarm: matchmaking over the DHT, the
+all-reduce over libp2p, a state fetch; a test: the same over an in-memory transport)::
+
+    declared ──► rebasing ──────────────────────────────► done (rebased)
+        │           │ (no holder served it)
+        │           ▼
+        └─────► matching ──► reducing ──► committed ─┐
+                    │            │                   ├──► rebasing ──► done
+                    └────────────┴──────► rolled back┘        (or done at once)
+
+1. :meth:`FragmentSync.begin` encodes Δp against the global copy (the engine's
+   ``begin``); the sync is *declared* at slot = the fragment's version.
+2. :meth:`FragmentSync.plan` takes what the swarm holds (``(peer, version, digest)``
+   triples from the peers' records): when :func:`~atoll.protocol.statesync.should_rebase`
+   says the swarm follows another state, the answer is :class:`FetchState` (copy it,
+   no round); else :class:`FindGroup` with this peer's
+   :class:`~atoll.protocol.matchmaking.Declaration`.
+3. :meth:`FragmentSync.matched` with the matchmaking outcome: :class:`RunRound` for a
+   formed group, or a roll back when alone.
+4. :meth:`FragmentSync.reduced` with the all-reduce outcome: Done is delivered (commit),
+   Failed rolled back; a delivery the engine refuses is a roll back too.
+5. After the round, the holdings seen meanwhile decide whether to rebase
+   (:class:`FetchState`, one holder at a time: :meth:`FragmentSync.fetched` imports a
+   state at least as new as the target, :meth:`FragmentSync.fetch_failed` moves on to the
+   next holder) or to finish (:class:`SyncDone`).
+
+The first error is latched: :meth:`FragmentSync.abort` (a cancelled driver, an
+unexpected failure) rolls the sync back exactly once and every later event returns the
+same :class:`SyncDone`. A committed round is never undone by a later abort.
+
+Nothing here reads a clock or does IO: wall time (the declaration's stamp) is passed in.
+The engine's calls are CPU work (encode, outer step, hash): a driver runs the events that
+make them off its event loop, one engine call at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import numpy as np
+
+from atoll.protocol import allreduce as ar
+from atoll.protocol import matchmaking as mm
+from atoll.protocol import statesync as ss
+from atoll.protocol.engine import OuterEngine, SyncRequest
+from atoll.protocol.errors import AtollError, ConfigError
+
+__all__ = [
+    "Action",
+    "FetchState",
+    "FindGroup",
+    "FragmentSync",
+    "Holding",
+    "Phase",
+    "RoundStatus",
+    "RunRound",
+    "SyncDone",
+    "holdings_of",
+]
+
+log = logging.getLogger(__name__)
+
+Holding: TypeAlias = tuple[str, int, str]
+"""``(peer, version, digest)`` of one fragment, as a peer's record or declaration shows it."""
+
+Phase: TypeAlias = Literal["idle", "declared", "rebasing", "matching", "reducing", "done"]
+
+RoundStatus: TypeAlias = Literal["none", "applied", "failed", "alone", "cancelled"]
+"""How the sync's round ended: ``none`` when there was no round (the peer rebased before
+looking for a group, or a catch-up), ``cancelled`` when the sync was aborted."""
+
+
+# -- actions -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class FindGroup:
+    """Find this sync's group: publish ``declaration`` and run matchmaking for its slot."""
+
+    declaration: mm.Declaration
+
+
+@dataclass(frozen=True, slots=True)
+class RunRound:
+    """Run the all-reduce of a formed group with this peer's encoded Δ and weight."""
+
+    spec: ar.RoundSpec
+    payload: bytes
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class FetchState:
+    """Copy fragment ``fragment``'s state ``target`` (version, digest) from ``peer``."""
+
+    fragment: int
+    peer: str
+    target: tuple[int, str]
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class SyncDone:
+    """How the sync ended; the driver reports it to the trainer.
+
+    ``applied`` means the fragment's global copy changed (a committed round or a rebase):
+    the trainer merges the new copy into its local one.
+    """
+
+    fragment: int
+    step: int
+    applied: bool
+    round: int
+    """the version Δ was taken against (-1 for a catch-up)"""
+    reason: str
+    """empty for a committed round; ``alone: ...``, ``failed: ...``, ``rebased to version
+    N``, ``cancelled: ...`` otherwise"""
+    round_status: RoundStatus
+    rebased: bool = False
+    state_step: int | None = None
+    """the inner step of the peer whose state was copied (rebases only)"""
+    members: tuple[str, ...] = ()
+    """the group of the round, leader first (empty when no group formed)"""
+
+
+Action: TypeAlias = FindGroup | RunRound | FetchState | SyncDone
+OnChange: TypeAlias = Callable[[int, str], None]
+"""Called with ``(fragment, how)`` after the global copy changed: ``how`` is
+``"slot/leader"`` for a committed round, ``"rebase"`` for an imported state."""
+
+
+class FragmentSync:
+    """One sync of one fragment (see the module docstring).
+
+    ``on_change`` is called right after the engine's global copy of the fragment changed
+    (a commit or an import), so the driver can publish it (shared memory, records).
+    """
+
+    def __init__(
+        self,
+        engine: OuterEngine,
+        fragment: int,
+        *,
+        peer_id: str,
+        run_id: str,
+        on_change: OnChange | None = None,
+    ) -> None:
+        if not 0 <= fragment < engine.num_fragments:
+            raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
+        self.engine = engine
+        self.fragment = fragment
+        self.peer_id = peer_id
+        self.run_id = run_id
+        self._on_change = on_change
+        self._phase: Phase = "idle"
+        self._request: SyncRequest | None = None
+        self._digest = ""
+        self._step = 0
+        self._status: RoundStatus = "none"
+        self._reason = ""
+        self._members: tuple[str, ...] = ()
+        self._committed = False
+        self._holders: list[str] = []
+        self._target: tuple[int, str] | None = None
+        self._after_round = False
+        self._done: SyncDone | None = None
+        self._wall = 0.0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def request(self) -> SyncRequest | None:
+        """The contribution this sync declared (None before :meth:`begin` and in a catch-up)."""
+        return self._request
+
+    @property
+    def digest(self) -> str:
+        """The digest of the global copy Δ was taken against."""
+        return self._digest
+
+    @property
+    def round_reason(self) -> str:
+        """Why the round was not applied (empty while none failed or when it was)."""
+        return self._reason
+
+    @property
+    def result(self) -> SyncDone | None:
+        """The final action once the sync is done."""
+        return self._done
+
+    # -- events ----------------------------------------------------------------------------
+    def begin(self, local: np.ndarray, step: int) -> SyncRequest:
+        """Encode Δ of ``local`` against the global copy (the engine's ``begin``)."""
+        self._expect("idle")
+        self._step = int(step)
+        self._request = self.engine.begin(self.fragment, local, step)
+        self._digest = self.engine.digest(self.fragment)
+        self._phase = "declared"
+        return self._request
+
+    def plan(self, holdings: Iterable[Holding], *, wall_now: float) -> Action:
+        """Rebase first when ``holdings`` show the swarm follows another state; else
+        find a group. ``wall_now`` stamps the declaration (informative only)."""
+        if self._done is not None:
+            return self._done
+        self._expect("declared")
+        request = self._request
+        assert request is not None
+        self._wall = wall_now
+        rebase = self._rebase_plan(holdings)
+        if rebase is not None:
+            return rebase
+        return self._find_group(request, wall_now)
+
+    def catch_up(self, holdings: Iterable[Holding], step: int = 0) -> Action:
+        """A rebase without a sync in flight (a node that starts or restarts): fetch the
+        swarm's state when ``holdings`` show it is not this peer's, else done."""
+        self._expect("idle")
+        self._step = int(step)
+        self._digest = self.engine.digest(self.fragment)
+        self._phase = "declared"
+        self._after_round = True  # nothing to fall back to when no holder serves it
+        rebase = self._rebase_plan(holdings)
+        return rebase if rebase is not None else self._finish()
+
+    def matched(self, found: mm.Formed | mm.Alone, holdings: Iterable[Holding] = ()) -> Action:
+        """The matchmaking outcome: run the round of a formed group, or roll back."""
+        if self._done is not None:
+            return self._done
+        self._expect("matching")
+        request = self._request
+        assert request is not None
+        if isinstance(found, mm.Alone):
+            return self._roll_back("alone", f"alone: {found.reason}", holdings)
+        if self.peer_id not in found.members:
+            return self._roll_back("failed", "failed: a group without this peer", holdings)
+        self._members = found.members
+        self._phase = "reducing"
+        codec = self.engine.config
+        spec = ar.RoundSpec(
+            ar.RoundKey(self.run_id, self.fragment, request.round),
+            found.members,
+            request.numel,
+            codec.codec,
+            codec.codec_block,
+        )
+        return RunRound(spec, request.payload, request.weight)
+
+    def reduced(self, result: ar.Done | ar.Failed, holdings: Iterable[Holding] = ()) -> Action:
+        """The all-reduce outcome: deliver Done (commit) or roll back Failed.
+
+        An in-process exchange (the simulator, a loopback worker) may call this straight
+        after :meth:`begin`: its group is formed without matchmaking.
+        """
+        if self._done is not None:
+            return self._done
+        self._expect("reducing", "declared")
+        request = self._request
+        assert request is not None
+        if isinstance(result, ar.Failed):
+            return self._roll_back("failed", f"failed: {result.reason}", holdings)
+        try:
+            self.engine.deliver(self.fragment, result.averaged, request.round)
+        except AtollError as e:
+            return self._roll_back("failed", f"failed: {e}", holdings)
+        self._committed = True
+        self._status = "applied"
+        members = self._members
+        self._changed(f"{request.round}/{members[0]}" if members else f"{request.round}/local")
+        return self._next_after_round(holdings)
+
+    def fetched(self, state: ss.FragmentState) -> Action:
+        """A holder served the fragment's state: import it when it is at least the target
+        version, else try the next holder."""
+        if self._done is not None:
+            return self._done
+        self._expect("rebasing")
+        assert self._target is not None
+        peer = self._holders[0]
+        if state.version < self._target[0]:
+            log.info("peer %s served fragment %d at an older version", peer, self.fragment)
+            return self.fetch_failed("an older version")
+        try:
+            self.engine.import_fragment(self.fragment, state)  # skips a pending Δ first
+        except AtollError as e:
+            return self.fetch_failed(f"its state does not fit: {e}")
+        self._changed("rebase")
+        version = self.engine.version(self.fragment)
+        log.info(
+            "fragment %d rebased to version %d (%s) from %s",
+            self.fragment,
+            version,
+            state.digest(),
+            peer,
+        )
+        return self._finish(
+            applied=True,
+            reason=f"rebased to version {version}",
+            rebased=True,
+            state_step=state.step,
+        )
+
+    def fetch_failed(self, reason: str) -> Action:
+        """The current holder did not serve the state: the next one, or give up."""
+        if self._done is not None:
+            return self._done
+        self._expect("rebasing")
+        log.info("fetching fragment %d from %s failed: %s", self.fragment, self._holders[0], reason)
+        self._holders.pop(0)
+        if self._holders:
+            return self._fetch_next()
+        self._target = None
+        if self._after_round:
+            return self._finish()
+        # a rebase before the round that nobody served: look for a group as planned
+        request = self._request
+        assert request is not None
+        self._phase = "declared"
+        return self._find_group(request, self._wall)
+
+    def abort(self, reason: str) -> SyncDone:
+        """Roll the sync back (once) and end it: a cancelled driver, an unexpected error.
+
+        The first call decides; later calls, and every later event, return the same
+        result. A round already committed stays committed.
+        """
+        if self._done is not None:
+            return self._done
+        if self._committed:
+            return self._finish()
+        self._skip(f"cancelled: {reason}")
+        self._status = "cancelled"
+        self._reason = f"cancelled: {reason}"
+        return self._finish()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _expect(self, *phases: Phase) -> None:
+        if self._phase not in phases:
+            raise ConfigError(
+                f"fragment {self.fragment}: sync event in phase {self._phase!r} "
+                f"(expected {' or '.join(phases)})"
+            )
+
+    def _find_group(self, request: SyncRequest, wall_now: float) -> FindGroup:
+        self._wall = wall_now
+        self._phase = "matching"
+        return FindGroup(
+            mm.Declaration(
+                self.run_id,
+                self.fragment,
+                request.round,  # the slot: peers holding one global copy meet there
+                self.peer_id,
+                request.round,
+                self._digest,
+                request.weight,
+                wall_now,
+            )
+        )
+
+    def _rebase_plan(self, holdings: Iterable[Holding]) -> FetchState | None:
+        """A FetchState from the first holder of the leading state when this peer does not
+        hold it (:func:`~atoll.protocol.statesync.should_rebase`), else None."""
+        others = [h for h in holdings if h[0] != self.peer_id]
+        mine = (self.engine.version(self.fragment), self.engine.digest(self.fragment))
+        if not ss.should_rebase(self.peer_id, mine, others):
+            return None
+        target = ss.leading_state([*others, (self.peer_id, *mine)])
+        assert target is not None
+        holders = list(dict.fromkeys(peer for peer, v, d in others if (v, d) == target))
+        if not holders:
+            return None
+        self._target = target
+        self._holders = holders
+        return self._fetch_next()
+
+    def _fetch_next(self) -> FetchState:
+        assert self._target is not None
+        self._phase = "rebasing"
+        return FetchState(
+            self.fragment,
+            self._holders[0],
+            self._target,
+            int(self.engine.global_params(self.fragment).size),
+        )
+
+    def _roll_back(self, status: RoundStatus, reason: str, holdings: Iterable[Holding]) -> Action:
+        self._skip(reason)
+        self._status = status
+        self._reason = reason
+        return self._next_after_round(holdings)
+
+    def _skip(self, reason: str) -> None:
+        if self._request is not None and not self._committed:
+            self.engine.skip(self.fragment, reason)
+
+    def _next_after_round(self, holdings: Iterable[Holding]) -> Action:
+        self._after_round = True
+        rebase = self._rebase_plan(holdings)
+        return rebase if rebase is not None else self._finish()
+
+    def _changed(self, how: str) -> None:
+        if self._on_change is not None:
+            self._on_change(self.fragment, how)
+
+    def _finish(
+        self,
+        *,
+        applied: bool | None = None,
+        reason: str | None = None,
+        rebased: bool = False,
+        state_step: int | None = None,
+    ) -> SyncDone:
+        request = self._request
+        self._phase = "done"
+        self._done = SyncDone(
+            fragment=self.fragment,
+            step=self._step,
+            applied=self._committed if applied is None else applied,
+            round=request.round if request is not None else -1,
+            reason=self._reason if reason is None else reason,
+            round_status=self._status,
+            rebased=rebased,
+            state_step=state_step,
+            members=self._members,
+        )
+        return self._done
+
+
+def holdings_of(
+    fragment: int, records: Sequence[tuple[str, Sequence[int], Sequence[str]]]
+) -> list[Holding]:
+    """``(peer, version, digest)`` of ``fragment`` from ``(peer, versions, digests)`` rows
+    (peer records), skipping rows that do not cover the fragment or have no digest."""
+    return [
+        (peer, versions[fragment], digests[fragment])
+        for peer, versions, digests in records
+        if len(versions) > fragment and len(digests) > fragment and digests[fragment]
+    ]

@@ -1,0 +1,236 @@
+"""The sans-IO fragment sync: one owner of begin, rebase, group, commit or roll back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atoll.protocol import allreduce as ar
+from atoll.protocol import matchmaking as mm
+from atoll.protocol import sync as fs
+from atoll.protocol.allreduce import RoundKey
+from atoll.protocol.engine import EngineConfig, OuterEngine
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.outer import OuterConfig
+from atoll.protocol.schedule import Schedule
+
+N = 64
+RUN = "r" * 64
+ME = "peer-me"
+CFG = EngineConfig(H=4, tau=1, alpha=0.5, outer=OuterConfig(1.0, 0.0, False), codec="fp32")
+
+
+def _engine(seed: int = 0, init: float = 0.0) -> OuterEngine:
+    return OuterEngine(CFG, Schedule(CFG.H, 2), [np.full(N, init, np.float32)] * 2, seed=seed)
+
+
+def _sync(engine: OuterEngine, changes: list[tuple[int, str]] | None = None) -> fs.FragmentSync:
+    def on_change(p: int, how: str) -> None:
+        if changes is not None:
+            changes.append((p, how))
+
+    return fs.FragmentSync(engine, 0, peer_id=ME, run_id=RUN, on_change=on_change)
+
+
+def _local(value: float) -> np.ndarray:
+    return np.full(N, value, np.float32)
+
+
+def _formed(*members: str) -> mm.Formed:
+    return mm.Formed(members, members[0], RoundKey(RUN, 0, 0))
+
+
+def test_a_round_is_declared_then_committed_once() -> None:
+    engine, changes = _engine(), []
+    sync = _sync(engine, changes)
+    request = sync.begin(_local(-1.0), step=3)
+    action = sync.plan([], wall_now=123.0)
+    assert isinstance(action, fs.FindGroup)
+    d = action.declaration
+    assert (d.run_id, d.fragment, d.slot, d.peer_id, d.version) == (RUN, 0, 0, ME, 0)
+    assert d.digest == engine.digest(0) == sync.digest and d.declared_at == 123.0
+    assert sync.phase == "matching"
+    action = sync.matched(_formed("leader", ME))
+    assert isinstance(action, fs.RunRound) and sync.phase == "reducing"
+    assert action.spec.members == ("leader", ME) and action.spec.key == RoundKey(RUN, 0, 0)
+    assert action.payload == request.payload and action.weight == request.weight
+    done = sync.reduced(ar.Done(np.full(N, 0.5, np.float32)))
+    assert isinstance(done, fs.SyncDone)
+    assert (done.applied, done.round_status, done.reason, done.round) == (True, "applied", "", 0)
+    assert done.members == ("leader", ME) and done.step == 3
+    assert engine.version(0) == 1 and engine.pending(0) is None
+    np.testing.assert_array_equal(engine.global_params(0), np.full(N, -0.5, np.float32))
+    assert changes == [(0, "0/leader")]
+    # a later abort cannot undo the commit, and changes nothing
+    assert sync.abort("late") is done
+    assert engine.stats(0).skipped == 0 and engine.version(0) == 1
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "reason"),
+    [
+        (mm.Alone("nobody came"), "alone", "alone: nobody came"),
+        (_formed("a", "b"), "failed", "failed: a group without this peer"),
+    ],
+)
+def test_no_group_rolls_back(outcome: mm.Formed | mm.Alone, status: str, reason: str) -> None:
+    engine = _engine()
+    sync = _sync(engine)
+    sync.begin(_local(1.0), step=3)
+    sync.plan([], wall_now=0.0)
+    done = sync.matched(outcome)
+    assert isinstance(done, fs.SyncDone)
+    assert (done.applied, done.round_status, done.reason) == (False, status, reason)
+    assert engine.pending(0) is None and engine.stats(0).skipped == 1
+    assert engine.version(0) == 0
+
+
+@pytest.mark.parametrize(
+    "result",
+    [ar.Failed("peer x lost"), ar.Done(np.full(N - 1, 0.5, np.float32))],
+    ids=["failed", "wrong-size"],
+)
+def test_a_failed_or_refused_round_rolls_back(result: ar.Done | ar.Failed) -> None:
+    engine, changes = _engine(), []
+    sync = _sync(engine, changes)
+    sync.begin(_local(1.0), step=3)
+    sync.plan([], wall_now=0.0)
+    sync.matched(_formed(ME, "b"))
+    done = sync.reduced(result)
+    assert isinstance(done, fs.SyncDone)
+    assert not done.applied and done.round_status == "failed"
+    assert done.reason.startswith("failed: ")
+    assert engine.version(0) == 0 and engine.stats(0).skipped == 1 and changes == []
+
+
+def _ahead(step: int = 77) -> tuple[OuterEngine, fs.Holding]:
+    """A peer's engine one version ahead, and its holding."""
+    other = _engine(seed=1)
+    other.begin(0, _local(-2.0), 3)
+    other.deliver(0, np.full(N, 2.0, np.float32), 0)
+    return other, ("peer-ahead", other.version(0), other.digest(0))
+
+
+def test_a_peer_behind_rebases_instead_of_grouping() -> None:
+    engine, changes = _engine(), []
+    other, holding = _ahead()
+    sync = _sync(engine, changes)
+    sync.begin(_local(1.0), step=3)
+    action = sync.plan([holding, ("peer-old", 0, engine.digest(0))], wall_now=0.0)
+    assert action == fs.FetchState(0, "peer-ahead", holding[1:], N)
+    done = sync.fetched(other.export_fragment(0, step=77))
+    assert isinstance(done, fs.SyncDone)
+    assert done.applied and done.rebased and done.state_step == 77
+    assert done.round_status == "none" and done.reason == "rebased to version 1"
+    assert engine.digest(0) == other.digest(0) and engine.pending(0) is None
+    assert changes == [(0, "rebase")]
+
+
+def test_a_rebase_nobody_serves_falls_back_to_a_group_then_tries_again() -> None:
+    engine = _engine()
+    other, holding = _ahead()
+    second = ("peer-ahead-2", holding[1], holding[2])
+    sync = _sync(engine)
+    sync.begin(_local(1.0), step=3)
+    first = sync.plan([holding, second], wall_now=5.0)
+    assert isinstance(first, fs.FetchState) and first.peer == "peer-ahead"
+    # the first holder serves an older state, the second does not answer
+    stale = _engine(seed=2).export_fragment(0)
+    nxt = sync.fetched(stale)
+    assert isinstance(nxt, fs.FetchState) and nxt.peer == "peer-ahead-2"
+    action = sync.fetch_failed("timeout")
+    assert isinstance(action, fs.FindGroup) and action.declaration.declared_at == 5.0
+    assert engine.pending(0) is not None  # the declared Δ is still in flight
+    # alone in the slot; the swarm still leads elsewhere: rebase after the round
+    after = sync.matched(mm.Alone("timeout"), [holding])
+    assert isinstance(after, fs.FetchState) and after.peer == "peer-ahead"
+    done = sync.fetched(other.export_fragment(0, step=9))
+    assert isinstance(done, fs.SyncDone)
+    assert done.rebased and done.applied and done.round_status == "alone"
+    assert engine.stats(0).skipped == 1  # the round's skip; the import skipped nothing more
+
+
+def test_after_a_failed_rebase_following_a_round_the_sync_ends() -> None:
+    engine = _engine()
+    _, holding = _ahead()
+    sync = _sync(engine)
+    sync.begin(_local(1.0), step=3)
+    sync.plan([], wall_now=0.0)
+    action = sync.matched(mm.Alone("timeout"), [holding])
+    assert isinstance(action, fs.FetchState)
+    done = sync.fetch_failed("unreachable")
+    assert isinstance(done, fs.SyncDone)
+    assert not done.applied and not done.rebased and done.round_status == "alone"
+
+
+def test_abort_rolls_back_exactly_once_in_every_phase() -> None:
+    for phase in ("declared", "matching", "reducing", "rebasing"):
+        engine = _engine()
+        _, holding = _ahead()
+        sync = _sync(engine)
+        sync.begin(_local(1.0), step=3)
+        if phase == "matching":
+            sync.plan([], wall_now=0.0)
+        elif phase == "reducing":
+            sync.plan([], wall_now=0.0)
+            sync.matched(_formed(ME, "b"))
+        elif phase == "rebasing":
+            sync.plan([holding], wall_now=0.0)
+        assert sync.phase == phase
+        done = sync.abort("cancelled")
+        assert not done.applied and done.round_status == "cancelled"
+        assert sync.abort("again") is done
+        assert sync.reduced(ar.Done(np.zeros(N, np.float32))) is done
+        assert sync.matched(mm.Alone("late")) is done
+        assert engine.stats(0).skipped == 1 and engine.pending(0) is None
+        assert engine.version(0) == 0
+
+
+def test_events_out_of_order_are_refused() -> None:
+    sync = _sync(_engine())
+    with pytest.raises(ConfigError, match="phase 'idle'"):
+        sync.matched(mm.Alone("x"))
+    sync.begin(_local(1.0), step=0)
+    with pytest.raises(ConfigError, match="phase 'declared'"):
+        sync.fetched(_engine().export_fragment(0))
+    with pytest.raises(ConfigError):
+        sync.begin(_local(1.0), step=0)
+
+
+def test_an_in_process_exchange_may_deliver_straight_after_begin() -> None:
+    engine = _engine()
+    sync = _sync(engine)
+    sync.begin(_local(-1.0), step=0)
+    done = sync.reduced(ar.Done(np.full(N, 1.0, np.float32)))
+    assert isinstance(done, fs.SyncDone) and done.applied and engine.version(0) == 1
+
+
+def test_catch_up_copies_the_leading_state_or_does_nothing() -> None:
+    engine = _engine()
+    assert fs.FragmentSync(engine, 0, peer_id=ME, run_id=RUN).catch_up([], step=0) == (
+        fs.SyncDone(0, 0, False, -1, "", "none")
+    )
+    other, holding = _ahead()
+    sync = _sync(engine)
+    action = sync.catch_up([holding, (ME, 9, "ignored: this peer's own old record")])
+    assert isinstance(action, fs.FetchState) and action.peer == "peer-ahead"
+    done = sync.fetched(other.export_fragment(0, step=40))
+    assert isinstance(done, fs.SyncDone) and done.rebased and done.state_step == 40
+    assert engine.digest(0) == other.digest(0)
+
+
+def test_a_state_that_does_not_fit_is_one_holder_failing() -> None:
+    engine = _engine()
+    _, holding = _ahead()
+    sync = _sync(engine)
+    sync.catch_up([holding])
+    wrong = OuterEngine(CFG, Schedule(CFG.H, 1), [np.zeros(N + 1, np.float32)])
+    wrong.begin(0, np.full(N + 1, -1.0, np.float32), 0)
+    wrong.deliver(0, np.ones(N + 1, np.float32), 0)
+    done = sync.fetched(wrong.export_fragment(0))
+    assert isinstance(done, fs.SyncDone) and not done.rebased and engine.version(0) == 0
+
+
+def test_holdings_of_skips_rows_without_the_fragment() -> None:
+    rows = [("a", (3, 4), ("d3", "d4")), ("b", (3,), ("d3",)), ("c", (1, 2), ("x", ""))]
+    assert fs.holdings_of(1, rows) == [("a", 4, "d4")]
