@@ -1,4 +1,10 @@
-"""Driving the sans-IO round machines over a live :class:`~atoll.node.net.host.AtollHost`.
+"""Driving the sans-IO round machines over a network transport.
+
+The drivers need a :class:`~atoll.node.net.seam.RoundTransport` (the live
+:class:`~atoll.node.net.host.AtollHost`, or :class:`~atoll.node.net.memory.MemoryTransport`
+in tests) and, for matchmaking, a :class:`~atoll.node.net.seam.ReadyBoard` (the live
+:class:`~atoll.dht.kad.AtollDHT`, or :class:`~atoll.node.net.memory.MemoryBoard`). Their
+only clock is ``trio.current_time()``, so they run under ``trio.testing.MockClock`` too.
 
 The protocol machines (:class:`~atoll.protocol.matchmaking.Matchmaker`,
 :class:`~atoll.protocol.allreduce.AllReduceRound`) take events and return actions; this
@@ -35,9 +41,8 @@ from typing import Any, Protocol
 
 import trio
 
-from atoll.dht.kad import AtollDHT
 from atoll.dht.records import ReadyRecord
-from atoll.node.net.host import AtollHost
+from atoll.node.net.seam import ReadyBoard, RoundTransport
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
@@ -46,7 +51,9 @@ from atoll.protocol.manifest import GroupSettings
 
 __all__ = [
     "Mailbox",
+    "ReadyBoard",
     "RoundTraffic",
+    "RoundTransport",
     "fetch_state",
     "key_of",
     "run_allreduce",
@@ -91,7 +98,7 @@ class Mailbox:
 
     def __init__(
         self,
-        host: AtollHost,
+        host: RoundTransport,
         *,
         on_request: Callable[[str, object], Awaitable[None]] | None = None,
         hold_s: float = 30.0,
@@ -213,7 +220,7 @@ class _Runner:
 
     def __init__(
         self,
-        host: AtollHost,
+        host: RoundTransport,
         nursery: trio.Nursery,
         events: trio.MemorySendChannel[Event],
         on_sent: Callable[[object], None] | None = None,
@@ -315,9 +322,9 @@ async def _drive(
 # matchmaking
 # --------------------------------------------------------------------------------------
 async def run_matchmaking(
-    host: AtollHost,
+    host: RoundTransport,
     mailbox: Mailbox,
-    dht: AtollDHT,
+    dht: ReadyBoard,
     me: mm.Declaration,
     settings: GroupSettings,
     *,
@@ -402,7 +409,7 @@ async def run_matchmaking(
 # all-reduce
 # --------------------------------------------------------------------------------------
 async def run_allreduce(
-    host: AtollHost,
+    host: RoundTransport,
     mailbox: Mailbox,
     spec: ar.RoundSpec,
     payload: bytes,
@@ -490,7 +497,7 @@ async def run_allreduce(
 # state transfer
 # --------------------------------------------------------------------------------------
 async def fetch_state(
-    host: AtollHost,
+    host: RoundTransport,
     mailbox: Mailbox,
     peer: str,
     run_id: str,
@@ -525,7 +532,7 @@ async def fetch_state(
 
 
 async def serve_state(
-    host: AtollHost,
+    host: RoundTransport,
     peer: str,
     request: ss.StateRequest,
     state: ss.FragmentState | None,
