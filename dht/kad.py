@@ -46,7 +46,9 @@ What is used of the library, and what not. Its server side (the stream handler, 
 value and provider stores), its routing table and its iterative FIND_NODE lookup
 (``find_closest_peers_network``) are used as they are, and so are its one-peer RPCs
 (``_store_at_peer``, ``_get_from_peer``, ``_send_add_provider``,
-``_get_providers_from_peer_with_closers``: private names, pinned by the tests). Its
+``_get_providers_from_peer_with_closers``: private names). Every such reach-in, the
+stores and the routing table included, goes through :mod:`atoll.dht.libp2p_internals`,
+whose list of internals the unit tests check against the installed library. Its
 client-side ``put_value``, ``get_value``, ``provide`` and ``find_providers`` are not:
 
 - they look a key up by its own bytes, and a py-libp2p server answers FIND_NODE only for a
@@ -118,9 +120,7 @@ import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream, IPeerStore
 from libp2p.custom_types import StreamHandlerFn, TProtocol
-from libp2p.kad_dht.common import PROTOCOL_ID as LIBRARY_PROTOCOL
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
-from libp2p.kad_dht.pb.kademlia_pb2 import Record as KadRecord
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -128,6 +128,7 @@ from libp2p.peer.peerstore import PeerStoreError
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
+from atoll.dht import libp2p_internals
 from atoll.dht.directory import Clock
 from atoll.dht.keys import (
     NAMESPACE,
@@ -138,6 +139,7 @@ from atoll.dht.keys import (
     ready_key,
     ready_topic,
 )
+from atoll.dht.libp2p_internals import LIBRARY_PROTOCOL
 from atoll.dht.records import (
     DEFAULT_MAX_SKEW_S,
     PeerRecord,
@@ -388,7 +390,7 @@ class AtollDHT:
     @property
     def value_store(self) -> Any:
         """The library's value store behind this DHT (read by :mod:`atoll.dht.status`)."""
-        return self._kad.value_store
+        return libp2p_internals.value_store_of(self._kad)
 
     @property
     def run_id(self) -> str | None:
@@ -398,7 +400,7 @@ class AtollDHT:
 
     def routing_table_peers(self) -> list[str]:
         """The peer ids in the routing table (atoll DHT servers only), sorted."""
-        return sorted(str(p) for p in self._kad.routing_table.get_peer_ids())
+        return sorted(str(p) for p in libp2p_internals.routing_table_peer_ids(self._kad))
 
     # -- the API ----------------------------------------------------------------------------
     async def bootstrap(self, addrs: Sequence[str]) -> int:
@@ -434,14 +436,12 @@ class AtollDHT:
                 nursery.start_soon(join, info)
         if answered:
             with trio.move_on_after(self._timeout_s):
-                await self._kad.peer_routing.find_closest_peers_network(
-                    self._host.get_id().to_bytes()
-                )
+                await libp2p_internals.find_closest_peers(self._kad, self._host.get_id().to_bytes())
         logger.info(
             "DHT bootstrap: %d of %d peers answered; routing table holds %d",
             answered,
             len(infos),
-            self._kad.routing_table.size(),
+            libp2p_internals.routing_table_size(self._kad),
         )
         return answered
 
@@ -462,10 +462,10 @@ class AtollDHT:
         now = self._clock.wall()
         decode_value(value, key=key, now=now, verifier=self._verifier, max_skew_s=self._max_skew_s)
         key_bytes = key.encode("utf-8")
-        held = self._kad.value_store.get(key_bytes)
-        if held is not None and held.value != value:
+        held = libp2p_internals.local_value(self._kad, key_bytes)
+        if held is not None and held != value:
             best = select_value(
-                [value, held.value],
+                [value, held],
                 key=key,
                 now=now,
                 verifier=self._verifier,
@@ -479,8 +479,7 @@ class AtollDHT:
         # kept here first: this node serves its own records even when no peer takes them.
         # The library would republish every locally put key each 22 h; atoll records live
         # minutes and their publisher issues fresh ones.
-        self._kad.value_store.put(key_bytes, value)
-        self._kad.value_store.local_keys.discard(key_bytes)
+        libp2p_internals.keep_local_value(self._kad, key_bytes, value)
         stored = 0
         peers: list[ID] = []
         limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
@@ -488,7 +487,7 @@ class AtollDHT:
         async def store(peer: ID) -> None:
             nonlocal stored
             async with limiter:
-                if await self._kad.value_store._store_at_peer(peer, key_bytes, value):
+                if await libp2p_internals.store_at_peer(self._kad, peer, key_bytes, value):
                     stored += 1
 
         start = trio.current_time()
@@ -638,11 +637,12 @@ class AtollDHT:
         told to the closest peers within ``timeout_s`` (else ExchangeTimeout). ``what``
         names the announcement in errors and logs."""
         topic_bytes = topic.encode("utf-8")
-        providers = self._kad.provider_store
         # kept here too, and not put in providing_keys: the library would republish it
         # every 22 h, and atoll's announcements last as long as their records (a ready
         # topic is good for one sync); their publishers announce afresh
-        providers.add_provider(topic_bytes, PeerInfo(self._host.get_id(), self._host.get_addrs()))
+        libp2p_internals.add_local_provider(
+            self._kad, topic_bytes, PeerInfo(self._host.get_id(), self._host.get_addrs())
+        )
         reached = 0
         peers: list[ID] = []
         limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
@@ -650,7 +650,7 @@ class AtollDHT:
         async def tell(peer: ID) -> None:
             nonlocal reached
             async with limiter:
-                if await providers._send_add_provider(peer, topic_bytes):
+                if await libp2p_internals.send_add_provider(self._kad, peer, topic_bytes):
                     reached += 1
 
         with trio.move_on_after(self._timeout_s) as scope:
@@ -716,7 +716,7 @@ class AtollDHT:
     def _admit_soon(self, peer_id: ID) -> None:
         """The peer accepted a stream of DHT_PROTOCOL: admit it to the routing table (in
         a task, so the library's stream goes on at once)."""
-        if peer_id in self._admitting or self._kad.routing_table.peer_in_table(peer_id):
+        if peer_id in self._admitting or libp2p_internals.in_routing_table(self._kad, peer_id):
             return
         self._admitting.add(peer_id)
         try:
@@ -728,7 +728,7 @@ class AtollDHT:
         try:
             # a full bucket pings its oldest peer first; bound it
             with trio.move_on_after(self._timeout_s):
-                await self._kad.routing_table.add_peer(peer_id, skip_server_mode_check=True)
+                await libp2p_internals.admit_to_routing_table(self._kad, peer_id)
         finally:
             self._admitting.discard(peer_id)
 
@@ -737,9 +737,7 @@ class AtollDHT:
         peer = str(info.peer_id)
         # the swarm refuses for a while to dial a peer whose addresses all failed; a
         # bootstrap, maybe of a peer that just came back, deserves a real try
-        cache = getattr(self._host.get_network(), "_negative_peer_cache", None)
-        if cache is not None and hasattr(cache, "evict"):
-            cache.evict(peer)
+        libp2p_internals.clear_dial_backoff(self._host, peer)
         with trio.move_on_after(self._timeout_s):
             try:
                 await self._host.connect(info)
@@ -751,8 +749,8 @@ class AtollDHT:
                 await stream.close()
             except Exception as e:  # the peer is there; the check stream does not matter
                 logger.debug("closing the check stream to %s failed: %s", peer, _describe(e))
-            admitted = await self._kad.routing_table.add_peer(
-                PeerInfo(info.peer_id, info.addrs), skip_server_mode_check=True
+            admitted = await libp2p_internals.admit_to_routing_table(
+                self._kad, PeerInfo(info.peer_id, info.addrs)
             )
             if not admitted:
                 logger.info("bootstrap peer %s answered; its bucket is full", peer)
@@ -763,7 +761,7 @@ class AtollDHT:
     async def _closest(self, key: str) -> list[ID]:
         """The (up to 20) peers closest to ``key`` in the network, this node excluded: an
         iterative FIND_NODE lookup of :func:`_lookup_target` of the key."""
-        closest = await self._kad.peer_routing.find_closest_peers_network(_lookup_target(key))
+        closest = await libp2p_internals.find_closest_peers(self._kad, _lookup_target(key))
         own_id = self._host.get_id()
         return [p for p in closest if p != own_id]
 
@@ -795,19 +793,17 @@ class AtollDHT:
             if record is not None and (best is None or is_newer(record, best)):
                 best = record
 
-        held = self._kad.value_store.get(key_bytes)
+        held = libp2p_internals.local_value(self._kad, key_bytes)
         if held is not None:
-            consider(held.value, "this node's store")
+            consider(held, "this node's store")
         peers: list[ID] = []
         limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
 
         async def ask(peer: ID) -> None:
             async with limiter:
-                got = await self._kad.value_store._get_from_peer(
-                    peer, key_bytes, return_record=True
-                )
-            if isinstance(got, KadRecord) and got.value:
-                consider(got.value, f"peer {peer}")
+                got = await libp2p_internals.value_from_peer(self._kad, peer, key_bytes)
+            if got is not None:
+                consider(got, f"peer {peer}")
 
         with trio.move_on_after(self._timeout_s) as scope:
             peers = await self._closest(key)
@@ -827,15 +823,14 @@ class AtollDHT:
         asked now (never the library's cache of earlier answers)."""
         key_bytes = topic.encode("utf-8")
         found: dict[ID, PeerInfo] = {
-            p.peer_id: p for p in self._kad.provider_store.get_providers(key_bytes)
+            p.peer_id: p for p in libp2p_internals.local_providers(self._kad, key_bytes)
         }
         peers: list[ID] = []
         limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
 
         async def ask(peer: ID) -> None:
-            store = self._kad.provider_store
             async with limiter:
-                providers, _ = await store._get_providers_from_peer_with_closers(peer, key_bytes)
+                providers = await libp2p_internals.providers_from_peer(self._kad, peer, key_bytes)
             for info in providers:
                 found.setdefault(info.peer_id, info)
 
@@ -867,12 +862,10 @@ class AtollDHT:
         if info.addrs and not own:
             self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, _PROVIDER_ADDR_TTL_S)
         # the provider holds the record it published (this node's own: in its store)
-        got = await self._kad.value_store._get_from_peer(
-            info.peer_id, key.encode("utf-8"), return_record=True
-        )
+        got = await libp2p_internals.value_from_peer(self._kad, info.peer_id, key.encode("utf-8"))
         record: Record | None = None
-        if isinstance(got, KadRecord) and got.value:
-            record = self._valid(key, got.value, f"provider {peer}")
+        if got is not None:
+            record = self._valid(key, got, f"provider {peer}")
         if record is None and not own:
             try:
                 record = await self._read(key)

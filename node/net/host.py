@@ -44,7 +44,9 @@ py-libp2p 0.8.1's ``new_host`` offers Noise, TLS, SECIO and ``/plaintext/2.0.0``
 default, and a plaintext dialer showing another peer's public key is accepted as that
 peer. The host here is built with ``sec_opt`` = Noise alone and ``muxer_opt`` = yamux
 alone. Its auto-connector (which dials every peer in the peerstore while the node has
-fewer than 150 connections) is stopped: atoll chooses whom to connect to.
+fewer than 150 connections) is stopped: atoll chooses whom to connect to. Whatever the
+host needs of py-libp2p's internals (that stop among them) goes through
+:mod:`atoll.node.net.libp2p_internals`.
 libp2p's and py-multiaddr's loggers are set to WARNING (libp2p's auto-connector sets
 itself to INFO and logs every cycle) and libp2p's made to propagate to the node's handlers
 (libp2p turns propagation off at import, so its warnings went to stderr through logging's
@@ -94,6 +96,7 @@ from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
+from atoll.node.net import libp2p_internals
 from atoll.node.net.transport import LeanNoiseTransport, LeanYamux, tune_frames
 from atoll.protocol.errors import (
     AtollError,
@@ -330,9 +333,7 @@ class AtollHost:
             raise ConfigError(f"{addr} is this node's own address")
         # the libp2p swarm refuses for 60 s to dial a peer whose addresses all failed; an
         # explicit connect, maybe to a peer that just came back, deserves a real try
-        cache = getattr(self._host.get_network(), "_negative_peer_cache", None)
-        if cache is not None:
-            cache.evict(peer)
+        libp2p_internals.clear_dial_backoff(self._host, peer)
         await self._ensure_stream(info, addr)
         return peer
 
@@ -725,7 +726,7 @@ async def open_host(
     # service runners) wrapped three times; a lone one is handed back as it was raised
     with unwrap_lone(keep_grouped=(trio.Cancelled,)):
         async with inbox, messages, host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-            await _stop_auto_connector(host)
+            await libp2p_internals.stop_auto_connector(host)
             nursery.start_soon(_sweep_closed_connections, host)
             atoll = AtollHost(host, identity, run_id, config, nursery, inbox, messages)
             host.set_stream_handler(ATOLL_PROTOCOL, atoll._on_stream)
@@ -758,7 +759,7 @@ async def open_libp2p_host(identity: Identity, config: HostConfig) -> AsyncItera
     host, listen = _build_host(identity, config)
     with unwrap_lone(keep_grouped=(trio.Cancelled,)):
         async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-            await _stop_auto_connector(host)
+            await libp2p_internals.stop_auto_connector(host)
             nursery.start_soon(_sweep_closed_connections, host)
             logger.info(
                 "host %s up on %s",
@@ -831,12 +832,9 @@ def expand_wildcard(addr: multiaddr.Multiaddr) -> list[multiaddr.Multiaddr]:
             break
     if not ip or not ipaddress.ip_address(ip).is_unspecified:
         return [addr]
-    # libp2p's own expansion (interface enumeration, no traffic); imported here, as the
-    # module path is not part of py-libp2p's documented API
-    from libp2p.utils.address_validation import expand_wildcard_address
-
+    # libp2p's own expansion (interface enumeration, no traffic)
     try:
-        return list(expand_wildcard_address(addr)) or [addr]
+        return libp2p_internals.expand_wildcard_address(addr) or [addr]
     except Exception as e:
         logger.info("could not list the interfaces behind %s: %s", addr, e)
         return [addr]
@@ -918,16 +916,7 @@ async def _sweep_closed_connections(host: BasicHost) -> None:
             for conn in list(conns):
                 if getattr(conn, "is_closed", False):
                     with contextlib.suppress(Exception):
-                        network.remove_conn(conn)  # type: ignore[attr-defined]
-
-
-async def _stop_auto_connector(host: BasicHost) -> None:
-    """atoll chooses its peers: stop the swarm's auto-connector, which dials every peer in
-    the peerstore (a dead peer's address included, for 2 minutes) while the node has fewer
-    than 150 connections."""
-    auto_connector = getattr(host.get_network(), "auto_connector", None)
-    if auto_connector is not None:
-        await auto_connector.stop()
+                        libp2p_internals.forget_connection(network, conn)
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -959,8 +948,7 @@ async def _close_host(host: BasicHost) -> None:
 def _connection_alive(stream: INetStream) -> bool:
     """Whether the stream's connection still stands (an EOF then came from the peer)."""
     muxed = stream.muxed_conn
-    shutting_down = getattr(muxed, "event_shutting_down", None)  # yamux's, not in the ABC
-    if isinstance(shutting_down, trio.Event) and shutting_down.is_set():
+    if libp2p_internals.muxer_shutting_down(muxed):  # yamux's, not in the ABC
         return False
     return not muxed.is_closed
 
