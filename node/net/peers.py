@@ -1,0 +1,134 @@
+"""Who else trains in this run: the live peers' records, read from the DHT.
+
+:class:`PeerTracker` keeps the newest :class:`~atoll.dht.records.PeerRecord` of every peer
+of the run that has not expired, and what follows from them for a sync:
+
+- :meth:`PeerTracker.holdings`: ``(peer, version, digest)`` of a fragment, the input of
+  the rule for which state the swarm follows (:mod:`atoll.protocol.statesync`);
+- :meth:`PeerTracker.group_settings`: the manifest's group settings with the most
+  members capped at the live peers known, so a leader closes its group as soon as every
+  live peer has joined instead of waiting out the grace window;
+- :meth:`PeerTracker.watch`: refresh from the DHT every ``every_s``;
+  :meth:`PeerTracker.wait_for`: wait until N other peers appeared (``--wait-peers``).
+
+Records expire by the injected wall clock (records carry wall-clock stamps); the
+addresses of a record go to the transport's peer store for as long as it lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import trio
+
+from atoll.dht.records import PeerRecord
+from atoll.protocol.errors import AtollError, PeerUnavailable
+from atoll.protocol.manifest import GroupSettings
+from atoll.protocol.sync import Holding, holdings_of
+
+__all__ = ["JoinFailed", "PeerDirectory", "PeerTracker"]
+
+logger = logging.getLogger(__name__)
+
+
+class JoinFailed(PeerUnavailable):
+    """No ``--join`` address let this node into the swarm, or too few peers appeared; the
+    message says why."""
+
+
+class PeerDirectory(Protocol):
+    """What the tracker needs of the DHT: the run's peer records."""
+
+    async def find_peers(self) -> list[PeerRecord]: ...
+
+
+class AddressBook(Protocol):
+    """Where the tracker puts the addresses it learns (the host's peer store)."""
+
+    def add_addrs(self, peer_id: str, addrs: Sequence[str], *, ttl_s: float) -> None: ...
+
+
+class PeerTracker:
+    """The live peers of the run (see the module docstring)."""
+
+    def __init__(
+        self,
+        me: str,
+        group: GroupSettings,
+        *,
+        directory: PeerDirectory,
+        wall: Callable[[], float],
+        addresses: AddressBook | None = None,
+    ) -> None:
+        self.me = me
+        self.group = group
+        self.directory = directory
+        self.wall = wall
+        self.addresses = addresses
+        self.live: dict[str, PeerRecord] = {}
+        """peers of the run with a live record, this peer excluded"""
+        self.seen: set[str] = set()
+        """every peer of the run heard of (records or declarations)"""
+
+    def note(self, records: Sequence[PeerRecord]) -> None:
+        """Take in peer records of the run: newer ones replace older, expired ones go."""
+        now = self.wall()
+        for r in records:
+            held = self.live.get(r.peer_id)
+            if r.peer_id != self.me and (held is None or r.issued_at >= held.issued_at):
+                self.live[r.peer_id] = r
+                self.seen.add(r.peer_id)
+                if self.addresses is not None:
+                    self.addresses.add_addrs(r.peer_id, r.addrs, ttl_s=r.expires_at - now)
+        self.live = {p: r for p, r in self.live.items() if r.expires_at > now}
+
+    def saw(self, peer_id: str) -> None:
+        """Count a peer heard of elsewhere (a declaration of a slot)."""
+        if peer_id != self.me:
+            self.seen.add(peer_id)
+
+    def holdings(self, fragment: int) -> list[Holding]:
+        """``(peer, version, digest)`` of ``fragment`` from the live records."""
+        return holdings_of(
+            fragment, [(r.peer_id, r.versions, r.digests) for r in self.live.values()]
+        )
+
+    def group_settings(self) -> GroupSettings:
+        """The group settings, the most members capped at 1 + the live peers known."""
+        group = self.group
+        if not self.live:
+            return group
+        size = max(group.min_quorum, min(group.max_size, 1 + len(self.live)))
+        return dataclasses.replace(group, max_size=size)
+
+    async def refresh(self) -> bool:
+        """Read the run's records once; False when the DHT did not answer."""
+        try:
+            self.note(await self.directory.find_peers())
+        except AtollError as e:
+            logger.debug("find_peers: %s", e)
+            return False
+        return True
+
+    async def watch(self, every_s: float) -> None:
+        """Refresh from the DHT every ``every_s`` seconds, forever."""
+        while True:
+            await self.refresh()
+            await trio.sleep(every_s)
+
+    async def wait_for(self, n: int, timeout_s: float, *, poll_s: float = 0.5) -> None:
+        """Wait until ``n`` other peers of the run have published records; JoinFailed
+        after ``timeout_s``."""
+        with trio.move_on_after(timeout_s):
+            while True:
+                await self.refresh()
+                if len(self.live) >= n:
+                    logger.info("%d peers of the run are here; training starts", len(self.live))
+                    return
+                await trio.sleep(poll_s)
+        raise JoinFailed(
+            f"only {len(self.live)} of the {n} peers waited for appeared in {timeout_s} s"
+        )

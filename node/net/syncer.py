@@ -1,0 +1,293 @@
+"""The driver of fragment syncs: carries out :class:`~atoll.protocol.sync.FragmentSync`'s
+actions over the round drivers.
+
+:class:`Syncer` holds what every sync of a node needs (its transport and mailbox, the
+board of ready peers, the outer engine and the lock around it, the live peers, the
+timeouts) and runs one sync at a time per fragment:
+
+=========================  ===========================================================
+the machine says           the driver does
+=========================  ===========================================================
+``FindGroup``              :func:`~atoll.node.net.rounds.run_matchmaking` at the slot
+``RunRound``               :func:`~atoll.node.net.rounds.run_allreduce` in the group
+``FetchState``             :func:`~atoll.node.net.rounds.fetch_state` from that holder
+``SyncDone``               returns it
+=========================  ===========================================================
+
+Every event that makes the engine work (encode, outer step, import, digest) runs in a
+worker thread under :attr:`Syncer.lock`, one engine call at a time, and is never
+abandoned half-way (``trio.to_thread.run_sync`` waits for the thread). A driver that is
+cancelled, or fails for a reason the machine did not foresee, aborts the sync: the
+machine rolls it back exactly once.
+
+It depends only on the seams of :mod:`atoll.node.net.seam`, so the same driver runs a
+node's syncs over libp2p and a test's over :mod:`atoll.node.net.memory` under a fake
+clock. It also answers peers' state requests (:meth:`Syncer.serve_request`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import trio
+
+from atoll.node.net.peers import PeerTracker
+from atoll.node.net.rounds import (
+    Mailbox,
+    RoundTraffic,
+    fetch_state,
+    run_allreduce,
+    run_matchmaking,
+    serve_state,
+)
+from atoll.node.net.seam import ReadyBoard, RoundTransport
+from atoll.protocol import matchmaking as mm
+from atoll.protocol import statesync as ss
+from atoll.protocol import sync as fs
+from atoll.protocol.engine import OuterEngine
+from atoll.protocol.errors import AtollError
+from atoll.protocol.manifest import Timeouts
+
+__all__ = ["FaultHook", "Offload", "SyncReport", "Syncer", "inline"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+READY_TTL_SLACK_S = 10.0
+"""a ready record lives 2 x matchmaking_s plus this"""
+
+Offload = Callable[..., Awaitable[Any]]
+"""``await offload(fn, *args)`` runs ``fn(*args)`` off the event loop and returns its result."""
+
+FaultHook = Callable[[int, int], Callable[[str], None] | None]
+"""``(fragment, slot) -> checkpoint or None``: fault injection for a round (tests)."""
+
+
+async def inline(fn: Callable[..., T], *args: Any) -> T:
+    """An :data:`Offload` that runs ``fn`` in the event loop (after a checkpoint)."""
+    await trio.lowlevel.checkpoint()
+    return fn(*args)
+
+
+@dataclass(slots=True)
+class SyncReport:
+    """A finished sync and what its round moved (for the node's status)."""
+
+    done: fs.SyncDone
+    seconds: float
+    traffic: RoundTraffic | None = None
+    """set when an all-reduce ran"""
+    declarations: list[fs.Holding] = field(default_factory=list)
+    """what the slot's declarations showed (peer, version, digest)"""
+
+
+class Syncer:
+    """Runs the syncs of one node (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        transport: RoundTransport,
+        mailbox: Mailbox,
+        board: ReadyBoard,
+        engine: OuterEngine,
+        peers: PeerTracker,
+        run_id: str,
+        timeouts: Timeouts,
+        wall: Callable[[], float],
+        poll_s: float = 0.5,
+        on_change: fs.OnChange | None = None,
+        fault: FaultHook | None = None,
+        background: trio.Nursery | None = None,
+        offload: Offload | None = None,
+    ) -> None:
+        self.transport = transport
+        self.mailbox = mailbox
+        self.board = board
+        self.engine = engine
+        self.peers = peers
+        self.run_id = run_id
+        self.timeouts = timeouts
+        self.wall = wall
+        self.poll_s = poll_s
+        self.on_change = on_change
+        self.fault = fault
+        self.background = background
+        """a long-lived nursery where a round's last sends finish (see run_allreduce)"""
+        self.offload: Offload = offload if offload is not None else trio.to_thread.run_sync
+        """how engine work leaves the event loop (a worker thread; tests under a fake clock
+        run it inline, since a clock that jumps while a thread works fires every timeout)"""
+        self.lock = trio.Lock()
+        """one engine call at a time"""
+        self.step = 0
+        """the newest inner step this node reported (handed to peers that copy a state)"""
+
+    async def engine_call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` (engine work) in a thread under :attr:`lock`."""
+        async with self.lock:
+            return await self.offload(fn, *args)
+
+    def _machine(self, p: int) -> fs.FragmentSync:
+        return fs.FragmentSync(
+            self.engine,
+            p,
+            peer_id=self.transport.peer_id,
+            run_id=self.run_id,
+            on_change=self.on_change,
+        )
+
+    # -- a sync ------------------------------------------------------------------------------
+    async def sync(self, p: int, local: np.ndarray, step: int) -> SyncReport:
+        """One sync of fragment ``p`` from the trainer's ``local`` copy at ``step``."""
+        t0 = trio.current_time()
+        self.step = max(self.step, step)
+        machine = self._machine(p)
+        report = SyncReport(fs.SyncDone(p, step, False, -1, "", "none"), 0.0)
+        try:
+            await self.engine_call(machine.begin, local, step)
+            action = machine.plan(self.peers.holdings(p), wall_now=self.wall())
+            report.done = await self._drive(machine, action, report)
+        except BaseException as e:
+            await self._abort(machine, e)
+            raise
+        report.seconds = round(trio.current_time() - t0, 3)
+        return report
+
+    async def catch_up(self, p: int) -> fs.SyncDone:
+        """Copy fragment ``p``'s leading state when the live records show it is not this
+        node's (a node that starts); a SyncDone with ``rebased`` set when it did."""
+        machine = self._machine(p)
+        try:
+            action = await self.engine_call(machine.catch_up, self.peers.holdings(p), self.step)
+            return await self._drive(machine, action, None)
+        except BaseException as e:
+            await self._abort(machine, e)
+            raise
+
+    async def _abort(self, machine: fs.FragmentSync, error: BaseException) -> None:
+        """Roll ``machine`` back after its driver failed or was cancelled: shielded, so a
+        cancelled driver still waits its turn at the engine (a quick skip)."""
+        reason = (
+            "cancelled" if isinstance(error, trio.Cancelled) else f"{type(error).__name__}: {error}"
+        )
+        with trio.CancelScope(shield=True):
+            async with self.lock:
+                machine.abort(reason)
+
+    async def _drive(
+        self, machine: fs.FragmentSync, action: fs.Action, report: SyncReport | None
+    ) -> fs.SyncDone:
+        seen: dict[str, tuple[int, str]] = {}
+        while True:
+            if isinstance(action, fs.SyncDone):
+                return action
+            if isinstance(action, fs.FindGroup):
+                found = await self._find_group(action.declaration, seen)
+                holdings = self._holdings(machine.fragment, seen)
+                action = await self.engine_call(machine.matched, found, holdings)
+                self._log_slot(action, machine, seen)
+            elif isinstance(action, fs.RunRound):
+                traffic = RoundTraffic()
+                result = await run_allreduce(
+                    self.transport,
+                    self.mailbox,
+                    action.spec,
+                    action.payload,
+                    action.weight,
+                    phase_timeout_s=self.timeouts.part_s,
+                    round_timeout_s=self.timeouts.round_s,
+                    traffic=traffic,
+                    checkpoint=self._checkpoint(action.spec.key.fragment, action.spec.key.round),
+                    background=self.background,
+                )
+                if report is not None:
+                    report.traffic = traffic
+                holdings = self._holdings(machine.fragment, seen)
+                action = await self.engine_call(machine.reduced, result, holdings)
+                self._log_slot(action, machine, seen)
+            else:
+                action = await self._fetch(machine, action)
+            if report is not None:
+                report.declarations = [(peer, v, d) for peer, (v, d) in seen.items()]
+
+    async def _find_group(
+        self, me: mm.Declaration, seen: dict[str, tuple[int, str]]
+    ) -> mm.Formed | mm.Alone:
+        def on_view(decls: list[mm.Declaration]) -> None:
+            for d in decls:
+                if d.peer_id != self.transport.peer_id:
+                    seen[d.peer_id] = (d.version, d.digest)
+                    self.peers.saw(d.peer_id)
+
+        matchmaking_s = self.timeouts.matchmaking_s
+        return await run_matchmaking(
+            self.transport,
+            self.mailbox,
+            self.board,
+            me,
+            self.peers.group_settings(),
+            timeout_s=matchmaking_s,
+            ttl_s=2 * matchmaking_s + READY_TTL_SLACK_S,
+            wall=self.wall,
+            poll_s=self.poll_s,
+            view=on_view,
+            background=self.background,
+        )
+
+    async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:
+        try:
+            state = await fetch_state(
+                self.transport,
+                self.mailbox,
+                action.peer,
+                self.run_id,
+                action.fragment,
+                action.numel,
+                timeout_s=self.timeouts.round_s,
+            )
+        except AtollError as e:
+            return machine.fetch_failed(str(e))
+        return await self.engine_call(machine.fetched, state)
+
+    def _holdings(self, p: int, seen: dict[str, tuple[int, str]]) -> list[fs.Holding]:
+        """The live records' holdings of ``p``, updated by what the slot's declarations
+        showed (newer news of the same peers)."""
+        live = {peer: (peer, v, d) for peer, v, d in self.peers.holdings(p)}
+        live.update((peer, (peer, v, d)) for peer, (v, d) in seen.items())
+        return list(live.values())
+
+    def _checkpoint(self, p: int, slot: int) -> Callable[[str], None] | None:
+        return self.fault(p, slot) if self.fault is not None else None
+
+    def _log_slot(
+        self, action: fs.Action, machine: fs.FragmentSync, seen: dict[str, tuple[int, str]]
+    ) -> None:
+        """After a round (or none): its outcome and the slot's declarations."""
+        if isinstance(action, fs.RunRound):
+            return
+        request = machine.request
+        logger.info(
+            "fragment %d slot %d: %s; the slot's declarations: %s",
+            machine.fragment,
+            request.round if request is not None else -1,
+            machine.round_reason or "applied",
+            ", ".join(f"{peer[-6:]} v{v} {d[:6]}" for peer, (v, d) in seen.items()) or "none",
+        )
+
+    # -- serving -----------------------------------------------------------------------------
+    async def serve_request(self, sender: str, msg: object) -> None:
+        """Answer a peer's :class:`~atoll.protocol.statesync.StateRequest` (the mailbox's
+        handler of messages no round takes)."""
+        if not isinstance(msg, ss.StateRequest):
+            logger.info("peer %s sent an unexpected %s", sender, type(msg).__name__)
+            return
+        if msg.run_id != self.run_id or not 0 <= msg.fragment < self.engine.num_fragments:
+            await serve_state(self.transport, sender, msg, None, "no such run or fragment")
+            return
+        state = await self.engine_call(self.engine.export_fragment, msg.fragment, self.step)
+        await serve_state(self.transport, sender, msg, state)

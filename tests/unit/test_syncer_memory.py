@@ -1,0 +1,348 @@
+"""Whole fragment syncs of 4 to 8 nodes in one trio loop, on the in-memory network under a
+fake clock: the :class:`~atoll.protocol.sync.FragmentSync` machine driven by
+:class:`~atoll.node.net.syncer.Syncer` over :mod:`atoll.node.net.memory`.
+
+Each node has its own outer engine, mailbox, peer tracker and syncer, exactly as the
+swarm worker wires them; only the transport, the ready board and the peer records are in
+memory. Every survivor must end committed with the same bytes, or rolled back with its
+engine unchanged, whatever dies when; no test waits on the wall clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from atoll.dht.records import PeerRecord
+from atoll.node.net.memory import MemoryNetwork
+from atoll.node.net.peers import PeerTracker
+from atoll.node.net.rounds import Mailbox
+from atoll.node.net.syncer import Syncer, SyncReport, inline
+from atoll.protocol import allreduce as ar
+from atoll.protocol import statesync as ss
+from atoll.protocol.engine import EngineConfig, OuterEngine
+from atoll.protocol.manifest import GroupSettings, Timeouts
+from atoll.protocol.schedule import Schedule
+
+RUN = "ab" * 32
+N = 2000
+TIMEOUTS = Timeouts(dial_s=2.0, matchmaking_s=6.0, part_s=8.0, round_s=15.0, apply_wait_s=1.0)
+GROUP = GroupSettings(min_quorum=2, max_size=8, grace_s=1.0)
+
+
+def _config(codec: str = "e3m0") -> EngineConfig:
+    return EngineConfig(H=4, tau=1, codec=codec)
+
+
+@dataclass
+class Node:
+    """One node of the test swarm."""
+
+    peer: str
+    engine: OuterEngine
+    syncer: Syncer
+    changes: list[tuple[int, str]] = field(default_factory=list)
+    report: SyncReport | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def state(self) -> tuple[int, str]:
+        return self.engine.version(0), self.engine.digest(0)
+
+
+class Directory:
+    """The run's peer records, built from the live nodes' engines when asked."""
+
+    def __init__(self, net: MemoryNetwork) -> None:
+        self.net = net
+        self.nodes: dict[str, Node] = {}
+
+    async def find_peers(self) -> list[PeerRecord]:
+        await trio.lowlevel.checkpoint()
+        now = self.net.wall()
+        return [
+            PeerRecord(
+                n.peer,
+                RUN,
+                (),
+                "atoll/test",
+                0.0,
+                (n.engine.version(0),),
+                (n.engine.digest(0),),
+                True,
+                now,
+                now + 120.0,
+            )
+            for n in self.nodes.values()
+            if not self.net.is_dead(n.peer)
+        ]
+
+
+async def _node(
+    net: MemoryNetwork,
+    directory: Directory,
+    peer: str,
+    services: trio.Nursery,
+    *,
+    initial: np.ndarray,
+    codec: str = "e3m0",
+) -> Node:
+    engine = OuterEngine(_config(codec), Schedule(4, 1), [initial])
+    transport = net.transport(peer)
+    tracker = PeerTracker(peer, GROUP, directory=directory, wall=net.wall)
+    holder: list[Syncer] = []
+
+    async def on_request(sender: str, msg: object) -> None:
+        await holder[0].serve_request(sender, msg)
+
+    mailbox = Mailbox(transport, on_request=on_request, hold_s=TIMEOUTS.round_s)
+    node = Node(peer, engine, None)  # type: ignore[arg-type]
+    syncer = Syncer(
+        transport=transport,
+        mailbox=mailbox,
+        board=net.board,
+        engine=engine,
+        peers=tracker,
+        run_id=RUN,
+        timeouts=TIMEOUTS,
+        wall=net.wall,
+        on_change=lambda p, how: node.changes.append((p, how)),
+        background=services,
+        offload=inline,  # a worker thread would let the fake clock jump meanwhile
+    )
+    holder.append(syncer)
+    node.syncer = syncer
+    directory.nodes[peer] = node
+    services.start_soon(mailbox.run)
+    return node
+
+
+def _locals(n: int, seed: int = 0, numel: int = N) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
+
+
+async def _sync(node: Node, local: np.ndarray, step: int) -> None:
+    node.scope = trio.CancelScope()  # a kill cancels the sync in flight
+    with node.scope:
+        await node.syncer.peers.refresh()
+        node.engine.add_tokens(1000)
+        node.report = await node.syncer.sync(0, local, step)
+
+
+def _run(main: Callable[[], Any]) -> None:
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _check_atomic(nodes: list[Node], start: tuple[int, str]) -> list[Node]:
+    """Survivors either all hold one new state (committed the same bytes) or kept
+    ``start`` with nothing pending; returns the committed ones."""
+    committed = [n for n in nodes if n.state() != start]
+    for n in nodes:
+        assert n.engine.pending(0) is None, f"{n.peer} left a sync pending"
+        stats = n.engine.stats(0)
+        assert stats.applied + stats.skipped == 1, f"{n.peer}: {stats}"
+    assert len({n.state() for n in committed}) <= 1, [n.state() for n in committed]
+    return committed
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_every_node_commits_the_same_bytes(n: int) -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory = Directory(net)
+            init = np.zeros(N, np.float32)
+            nodes = [
+                await _node(net, directory, f"peer-{i}", services, initial=init) for i in range(n)
+            ]
+            start = nodes[0].state()
+            async with trio.open_nursery() as syncs:
+                for node, local in zip(nodes, _locals(n), strict=True):
+                    syncs.start_soon(_sync, node, local, 3)
+            committed = _check_atomic(nodes, start)
+            assert len(committed) == n
+            for node in nodes:
+                assert node.report is not None and node.report.done.applied
+                assert node.report.done.round_status == "applied"
+                assert len(node.report.done.members) == n
+                assert node.changes == [(0, f"0/{node.report.done.members[0]}")]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_node_behind_rebases_and_a_holder_killed_mid_transfer_is_passed_over() -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory = Directory(net)
+            big = ss.CHUNK_BYTES // 8 + 1000  # a state of two chunks: it can die between them
+            init = np.zeros(big, np.float32)
+            nodes = [
+                await _node(net, directory, f"peer-{i}", services, initial=init, codec="fp32")
+                for i in range(3)
+            ]
+            async with trio.open_nursery() as syncs:  # a first round among the three
+                for node, local in zip(nodes, _locals(3, numel=big), strict=True):
+                    syncs.start_soon(_sync, node, local, 3)
+            ahead = nodes[0].state()
+            assert ahead[0] == 1 and all(n.state() == ahead for n in nodes)
+            late = await _node(net, directory, "peer-late", services, initial=init, codec="fp32")
+
+            chunks_from: dict[str, int] = {}
+
+            def kill_first_server(sender: str, to: str, msg: object) -> None:
+                # the first holder asked dies after its first chunk reached the late node
+                if isinstance(msg, ss.StateChunk) and to == "peer-late":
+                    chunks_from[sender] = chunks_from.get(sender, 0) + 1
+                    if len(chunks_from) == 1 and not net.is_dead(sender):
+                        net.kill(sender)
+                        directory.nodes[sender].scope.cancel()
+
+            net.on_deliver = kill_first_server
+            t0 = trio.current_time()
+            await _sync(late, _locals(1, seed=9, numel=big)[0], 3)
+            assert late.report is not None
+            done = late.report.done
+            assert done.rebased and done.applied and done.round_status == "none"
+            assert late.state() == ahead and late.engine.pending(0) is None
+            assert late.changes == [(0, "rebase")]
+            assert len(chunks_from) == 2  # the second holder served it
+            # the dead holder cost at most the fetch timeout, not a hang
+            assert trio.current_time() - t0 <= TIMEOUTS.round_s + 1
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+@pytest.mark.parametrize("phase", ["matchmaking", "reduce-scatter", "all-gather"])
+def test_a_node_killed_mid_sync_leaves_the_survivors_atomic(phase: str) -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory = Directory(net)
+            init = np.zeros(N, np.float32)
+            nodes = [
+                await _node(net, directory, f"peer-{i}", services, initial=init) for i in range(5)
+            ]
+            start = nodes[0].state()
+            victim = nodes[2]
+
+            def kill(sender: str, to: str, msg: object) -> None:
+                hit = {
+                    "matchmaking": type(msg).__name__ == "JoinRequest",
+                    "reduce-scatter": isinstance(msg, ar.Part),
+                    "all-gather": isinstance(msg, ar.Reduced),
+                }[phase]
+                if hit and sender == victim.peer and not net.is_dead(victim.peer):
+                    net.kill(victim.peer)
+                    victim.scope.cancel()
+
+            net.on_deliver = kill
+            async with trio.open_nursery() as syncs:
+                for node, local in zip(nodes, _locals(5), strict=True):
+                    syncs.start_soon(_sync, node, local, 3)
+            assert net.is_dead(victim.peer), "the fault never fired"
+            survivors = [n for n in nodes if n is not victim]
+            committed = _check_atomic(survivors, start)
+            for n in survivors:
+                assert n.report is not None
+                assert n.report.done.applied == (n in committed)
+                if n not in committed:
+                    assert n.report.done.round_status in ("failed", "alone")
+            # the victim's own engine was rolled back exactly once when its task ended
+            assert victim.engine.pending(0) is None and victim.engine.stats(0).skipped == 1
+            if phase == "matchmaking":
+                # a group formed without it can still commit; never a mix
+                assert len(committed) in (0, len(survivors)) or all(
+                    victim.peer not in n.report.done.members
+                    for n in committed  # type: ignore[union-attr]
+                )
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_delayed_reordered_duplicated_messages_still_commit_the_same_bytes() -> None:
+    async def main() -> None:
+        async with (
+            MemoryNetwork.open(
+                run_id=RUN, delay_s=0.05, reorder_s=0.2, duplicate=0.3, seed=3
+            ) as net,
+            trio.open_nursery() as services,
+        ):
+            directory = Directory(net)
+            init = np.zeros(N, np.float32)
+            nodes = [
+                await _node(net, directory, f"peer-{i}", services, initial=init, codec="fp32")
+                for i in range(6)
+            ]
+            start = nodes[0].state()
+            async with trio.open_nursery() as syncs:
+                for node, local in zip(nodes, _locals(6, seed=4), strict=True):
+                    syncs.start_soon(_sync, node, local, 3)
+            assert net.duplicated > 0
+            assert len(_check_atomic(nodes, start)) == 6
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_two_groups_in_one_slot_each_commit_their_own_average_then_converge() -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory = Directory(net)
+            init = np.zeros(N, np.float32)
+            nodes = [
+                await _node(net, directory, f"peer-{i}", services, initial=init) for i in range(4)
+            ]
+            halves = [{"peer-0", "peer-1"}, {"peer-2", "peer-3"}]
+            for node in nodes:  # each half sees only its own half's declarations and records
+                half = next(h for h in halves if node.peer in h)
+                node.syncer.board = net.board.view(half)
+                node.syncer.peers.group = GroupSettings(min_quorum=2, max_size=2, grace_s=0.0)
+            start = nodes[0].state()
+            async with trio.open_nursery() as syncs:
+                for node, local in zip(nodes, _locals(4), strict=True):
+                    syncs.start_soon(_sync, node, local, 3)
+            states = {n.peer: n.state() for n in nodes}
+            assert states["peer-0"] == states["peer-1"] != start
+            assert states["peer-2"] == states["peer-3"] != start
+            assert states["peer-0"] != states["peer-2"]  # two valid rounds, two averages
+            # the next sync: every node sees every record; one rule picks one copy
+            for node in nodes:
+                node.syncer.board = net.board
+            async with trio.open_nursery() as syncs:
+                for node, local in zip(nodes, _locals(4, seed=1), strict=True):
+                    syncs.start_soon(_sync, node, local, 7)
+            lead = ss.leading_state([(p, v, d) for p, (v, d) in states.items()])
+            losers = [n for n in nodes if states[n.peer] != lead]
+            for n in losers:
+                assert n.report is not None and n.report.done.rebased
+            assert len({n.state()[1] for n in nodes}) <= 2  # the winners may have moved on
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_cancelled_sync_rolls_back_exactly_once() -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory = Directory(net)
+            init = np.zeros(N, np.float32)
+            nodes = [
+                await _node(net, directory, f"peer-{i}", services, initial=init) for i in range(2)
+            ]
+            net.silence("peer-1")  # the other node never answers: matchmaking waits
+            with trio.move_on_after(1.0):
+                await _sync(nodes[0], _locals(1)[0], 3)
+            assert nodes[0].report is None  # cancelled before it ended
+            stats = nodes[0].engine.stats(0)
+            assert (stats.skipped, stats.applied) == (1, 0)
+            assert nodes[0].engine.pending(0) is None and nodes[0].engine.version(0) == 0
+            services.cancel_scope.cancel()
+
+    _run(main)
