@@ -267,6 +267,9 @@ class LeanNoiseSession(SecureSession):
 
     # -- writing ----------------------------------------------------------------------------
     async def write(self, data: bytes) -> None:
+        # the writer's deadline, read before the lock's checkpoint: once trio has seen it
+        # pass (at that checkpoint, say, after sealing began), it reports -inf instead
+        deadline = trio.current_effective_deadline()
         with memoryview(data) as view:
             plain = view.cast("B") if view.format != "B" or view.ndim != 1 else view
             total = plain.nbytes
@@ -285,9 +288,9 @@ class LeanNoiseSession(SecureSession):
                         tx.n += 1
                         pos += 2 + length
                     del chunk
-                await self._send_whole(out)
+                await self._send_whole(out, deadline)
 
-    async def _send_whole(self, out: bytearray) -> None:
+    async def _send_whole(self, out: bytearray, writer_deadline: float) -> None:
         """Send sealed messages whole, even when the writer is cancelled meanwhile.
 
         Cancelling a write half-way would leave part of a Noise message on the wire (or
@@ -295,15 +298,16 @@ class LeanNoiseSession(SecureSession):
         connection then fails to decrypt at the peer, and all its streams die with it.
         That was the cause of failed rounds in a local swarm (DHT polls and sends cut
         short when a round ended). So the send is shielded, and a cancellation of the
-        writer takes effect when it returns. The writer's own deadline still bounds it,
-        :data:`WRITE_GRACE_S` later: a send still not through by then goes to a dead or
-        stalled peer, so the connection is closed, and this write and every later one
-        fail. (A writer without a deadline waits as long as the send does, as before;
-        closing the host closes the connection, which ends it.)
+        writer takes effect when it returns. The writer's own deadline (``writer_deadline``,
+        read when the write began) still bounds it, :data:`WRITE_GRACE_S` later: a send
+        still not through by then goes to a dead or stalled peer, so the connection is
+        closed, and this write and every later one fail. (A writer without a deadline
+        waits as long as the send does, as before; closing the host closes the
+        connection, which ends it.)
         """
         if self._write_failed is not None:
             raise ConnectionClosedError(self._write_failed)
-        deadline = trio.current_effective_deadline() + WRITE_GRACE_S  # before the shield
+        deadline = writer_deadline + WRITE_GRACE_S
         with trio.CancelScope(shield=True, deadline=deadline) as scope:
             try:
                 await self._raw.write(out)  # type: ignore[arg-type]  # any buffer goes

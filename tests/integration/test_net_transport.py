@@ -22,6 +22,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -267,10 +268,12 @@ def test_a_cancelled_write_still_sends_whole_messages() -> None:
             writer = lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0))
             reader = lean(b, cipher_state(KEY_B, 0), cipher_state(KEY_A, 0))
             big, after = pattern(8 << 20, 8), b"after the cancelled write"
+            scopes: list[trio.CancelScope] = []
             cancelled = []
 
             async def write() -> None:
                 with trio.move_on_after(0.05) as scope:
+                    scopes.append(scope)
                     await writer.write(big)  # type: ignore[attr-defined]  # blocks: no reader yet
                     await trio.sleep(0)  # the cancellation lands here, after the write
                 cancelled.append(scope.cancelled_caught)
@@ -279,7 +282,9 @@ def test_a_cancelled_write_still_sends_whole_messages() -> None:
             with trio.fail_after(30):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(write)
-                    await trio.sleep(0.3)  # the writer is cancelled while blocked
+                    while not (scopes and scopes[0].cancel_called):
+                        await trio.sleep(0.01)  # until the writer's deadline has passed
+                    assert not cancelled  # it was cancelled while blocked: no reader yet
                     assert await reader.read(len(big)) == big  # type: ignore[attr-defined]
                     assert await reader.read(len(after)) == after  # type: ignore[attr-defined]
             assert cancelled == [True]
@@ -297,13 +302,40 @@ def test_a_write_stuck_past_its_deadline_closes_the_connection(
     async def body() -> None:
         async with tcp_pair() as (a, _b):  # the peer never reads
             writer = lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0))
-            t0 = trio.current_time()
+            data = pattern(32 << 20, 9)  # made before the clock starts: 0.1 s and more
             with pytest.raises(ConnectionClosedError, match="outlasted"):
-                with trio.move_on_after(0.2):
-                    await writer.write(pattern(32 << 20, 9))  # type: ignore[attr-defined]
-            assert 0.45 <= trio.current_time() - t0 < 5
+                with trio.move_on_after(0.2) as scope:
+                    await writer.write(data)  # type: ignore[attr-defined]
+            # closed by the session's own bound, on trio's clock: the writer's deadline
+            # plus the grace, not before (even when sealing 32 MB outlasts the deadline
+            # on a busy machine), and not long after
+            late = trio.current_time() - (scope.deadline + transport.WRITE_GRACE_S)
+            assert 0 <= late < 5, late
             with pytest.raises(ConnectionClosedError):  # and for good
                 await writer.write(b"more")  # type: ignore[attr-defined]
+
+    trio.run(body)
+
+
+def test_a_write_whose_deadline_passed_unnoticed_is_still_sent() -> None:
+    """The writer's deadline passes before the write's first checkpoint (here a blocking
+    sleep; on a busy machine, any CPU-bound stretch): trio notices it inside the write,
+    after the nonces are taken. The messages still go out whole, the writer is cancelled
+    after the write, and the connection carries the next one."""
+
+    async def body() -> None:
+        async with tcp_pair() as (a, b):
+            writer = lean(a, cipher_state(KEY_A, 0), cipher_state(KEY_B, 0))
+            reader = lean(b, cipher_state(KEY_B, 0), cipher_state(KEY_A, 0))
+            with trio.move_on_after(0.01) as scope:
+                time.sleep(0.05)  # no checkpoint: the deadline passes unnoticed
+                await writer.write(b"sealed after the deadline")  # type: ignore[attr-defined]
+                await trio.sleep(0)  # the cancellation lands here, after the write
+            assert scope.cancelled_caught
+            await writer.write(b"next")  # type: ignore[attr-defined]
+            with trio.fail_after(10):
+                assert await reader.read(25) == b"sealed after the deadline"  # type: ignore[attr-defined]
+                assert await reader.read(4) == b"next"  # type: ignore[attr-defined]
 
     trio.run(body)
 
