@@ -9,9 +9,10 @@ which internal they touch and why; :mod:`atoll.dht.kad` calls these and never to
 ``KadDHT`` part or a private name itself.
 
 :data:`INTERNALS` lists each internal with its expected kind (and parameters where the
-signature matters); ``tests/unit/test_libp2p_internals.py`` walks the list against the
-installed py-libp2p, so upgrading the pin starts with that test: a failure names the
-internal that moved and the function here that needs it.
+signature matters), ``ValueStore.store`` too, which :mod:`atoll.dht.status` reads itself;
+``tests/unit/test_libp2p_internals.py`` walks the list against the installed py-libp2p,
+so upgrading the pin starts with that test: a failure names the internal that moved and
+the atoll code that needs it.
 """
 
 from __future__ import annotations
@@ -92,9 +93,16 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_KAD}.provider_store", "instance attribute", None, "the provider functions"),
     Internal(f"{_KAD}.routing_table", "instance attribute", None, "the routing-table functions"),
     Internal(f"{_KAD}.peer_routing", "instance attribute", None, "find_closest_peers"),
+    Internal(_VALUES, "class", None, "value_store_of"),
     Internal(f"{_VALUES}.get", "method", ("self", "key"), "local_value"),
     Internal(f"{_VALUES}.put", "method", ("self", "key", "value", "validity"), "keep_local_value"),
     Internal(f"{_VALUES}.local_keys", "instance attribute", None, "keep_local_value"),
+    Internal(
+        f"{_VALUES}.store",
+        "instance attribute",
+        None,
+        "atoll.dht.status.stored_peer_values (reads its key -> (record, expiry) items)",
+    ),
     Internal(
         f"{_VALUES}._store_at_peer",
         "async method",
