@@ -35,7 +35,8 @@ Faults, all deterministic (one ``random.Random(seed)`` draws every jitter and du
   that a message is delivered twice): plain attributes, changeable at any time.
 - :attr:`~MemoryNetwork.on_deliver`, ``(sender, to, msg) -> None``, is called right after
   each message is put in its receiver's inbox, in the delivery task: a test can kill or
-  silence a peer at an exact point (after its first ``Part`` arrived somewhere, say).
+  silence a peer at an exact point (after its first ``Part`` arrived somewhere, say). It
+  must not block; an exception in it ends the network's nursery (and so the test).
 
 Buffers are bounded: at most ``max_in_flight`` messages in flight (a send waits for room
 at most ``send_timeout_s``, then raises PeerUnavailable, as the host's send does) and
@@ -52,11 +53,13 @@ import math
 import random
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from atoll.dht.records import ReadyRecord
-from atoll.protocol.errors import ConfigError, PeerUnavailable
+from atoll.node.net.seam import ReadyBoard, RoundTransport
+from atoll.protocol.errors import ConfigError, ExchangeTimeout, PeerUnavailable
 from atoll.protocol.messages import decode_message, encode_message
 
 __all__ = ["MemoryBoard", "MemoryNetwork", "MemoryTransport"]
@@ -151,9 +154,17 @@ class MemoryTransport:
         """Put ``msg`` in flight to ``peer``; raises as the module docstring says."""
         await self._network._send(self._peer_id, peer, msg)
 
-    async def receive(self) -> Inbox:
-        """The next ``(sender, message)``; ``trio.EndOfChannel`` once killed or closed."""
-        return await self._messages.receive()
+    async def receive(self, *, timeout_s: float | None = None) -> Inbox:
+        """The next ``(sender, message)``; ``trio.EndOfChannel`` once killed or closed.
+
+        With ``timeout_s``, :class:`~atoll.protocol.errors.ExchangeTimeout` when nothing
+        arrives within it (as the live host's ``receive``).
+        """
+        if timeout_s is None:
+            return await self._messages.receive()
+        with trio.move_on_after(timeout_s):
+            return await self._messages.receive()
+        raise ExchangeTimeout(f"no message arrived for {self._peer_id} within {timeout_s} s")
 
     def _offer(self, item: Inbox) -> bool:
         """Put ``item`` in the inbox at once; False when it was dropped (full or closed)."""
@@ -443,3 +454,9 @@ class MemoryNetwork:
         self.delivered += 1
         if self.on_deliver is not None:
             self.on_deliver(item.sender, item.to, item.msg)
+
+
+if TYPE_CHECKING:  # static checks only: the memory classes fit the seams
+
+    def _fits(transport: MemoryTransport, board: MemoryBoard) -> tuple[RoundTransport, ReadyBoard]:
+        return transport, board

@@ -430,6 +430,8 @@ def test_a_silenced_peer_accepts_sends_and_hears_nothing(h: ModuleType) -> None:
                     await t.receive()
                 assert scope.cancelled_caught
             assert net.vanished == 2
+            with pytest.raises(ExchangeTimeout):
+                await a.receive(timeout_s=1.0)
             net.revive("b")
             await b.send("a", _part("b"))
             assert await a.receive() == ("b", _part("b"))
