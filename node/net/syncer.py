@@ -130,7 +130,8 @@ class Syncer:
     async def engine_call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (engine work) in a thread under :attr:`lock`."""
         async with self.lock:
-            return await self.offload(fn, *args)
+            result: T = await self.offload(fn, *args)
+        return result
 
     def _machine(self, p: int) -> fs.FragmentSync:
         return fs.FragmentSync(
