@@ -3,6 +3,9 @@
 
 Every process is a real ``python -m atoll.node.cli`` child on 127.0.0.1 (port 0); the
 harness reads the nodes' JSON lines (``--progress jsonl``) and their stderr files.
+
+``wait_until`` (a function here, a fixture for the test modules) waits for a condition
+with a deadline, instead of a fixed sleep.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,33 @@ from typing import Any
 import pytest
 
 CLI = [sys.executable, "-m", "atoll.node.cli"]
+START_TIMEOUT_S = 120  # a cold start of a process on a busy 2-core machine
+
+
+def wait_until(
+    cond: Callable[[], Any],
+    timeout_s: float,
+    what: str | Callable[[], str],
+    *,
+    interval_s: float = 0.1,
+) -> Any:
+    """Poll ``cond`` until it returns a true value, and return that value; after
+    ``timeout_s`` (on ``time.monotonic``) raise AssertionError saying ``what`` was not
+    seen (``what`` may be a callable, called only then, to add a log's tail).
+
+    For waits on other processes: give ``timeout_s`` the slack of a busy 2-core machine,
+    where a cold start of a node takes a minute. An AssertionError that ``cond`` raises
+    (a process that died, say) ends the wait at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            text = what() if callable(what) else what
+            raise AssertionError(f"not within {timeout_s} s: {text}")
+        time.sleep(interval_s)
 
 
 def manifest(name: str = "swarm-test", **overrides: Any) -> str:
@@ -129,14 +159,16 @@ class LocalSwarm:
             stderr=(self.tmp / "bootstrap.err").open("w"),
             text=True,
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if addr_file.exists() and addr_file.read_text().strip():
-                self.addr = addr_file.read_text().split()[0]
-                return self.addr
-            assert self.boot.poll() is None, (self.tmp / "bootstrap.err").read_text()
-            time.sleep(0.1)
-        raise AssertionError("the bootstrap peer did not start")
+        boot = self.boot
+
+        def started() -> str:
+            text = addr_file.read_text() if addr_file.exists() else ""
+            assert text.strip() or boot.poll() is None, (self.tmp / "bootstrap.err").read_text()
+            return text.strip()
+
+        text = wait_until(started, START_TIMEOUT_S, "the bootstrap peer's address file")
+        self.addr = text.split()[0]
+        return self.addr
 
     def write_manifest(self, name: str, text: str) -> Path:
         path = self.tmp / f"{name}.toml"
@@ -250,6 +282,7 @@ def members_per_round(nodes: list[NodeProc]) -> dict[tuple[int, str], int]:
 LocalSwarm.manifest = staticmethod(manifest)  # type: ignore[attr-defined]
 LocalSwarm.agreeing_rounds = staticmethod(agreeing_rounds)  # type: ignore[attr-defined]
 LocalSwarm.members_per_round = staticmethod(members_per_round)  # type: ignore[attr-defined]
+LocalSwarm.wait_until = staticmethod(wait_until)  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -260,3 +293,9 @@ def local_swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
         yield swarm
     finally:
         swarm.close()
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., Any]:
+    """:func:`wait_until`, for test modules (they cannot import conftest)."""
+    return wait_until
