@@ -12,12 +12,11 @@ re-export the first two; import them from either place.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from atoll.protocol.engine import EngineConfig
 from atoll.protocol.errors import ConfigError
-from atoll.protocol.outer import OuterConfig
+from atoll.protocol.manifest import OuterLoop
 
 __all__ = [
     "ALGOS",
@@ -30,6 +29,13 @@ __all__ = [
 ]
 
 ALGOS = ("ddp", "diloco", "streaming")
+
+_RUN = OuterLoop()
+"""The outer loop's own defaults (Streaming DiLoCo's), where :class:`SimConfig`'s start."""
+
+_DILOCO: dict[str, Any] = {"tau": 0, "alpha": 0.0, "codec": "fp32"}
+"""What every algorithm but streaming changes of those defaults: vanilla DiLoCo (arXiv
+2311.08105) syncs blocking, keeps nothing of the local copy and sends fp32."""
 
 DEFAULT_BOOTSTRAP_IDENTITY = "~/.atoll/bootstrap.key"
 DEFAULT_NODE_IDENTITY = "~/.atoll/node.key"
@@ -63,7 +69,17 @@ class InnerConfig:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """One simulated run. ``None`` means: the algorithm's own default."""
+    """One simulated run. ``None`` means: the algorithm's own default.
+
+    The outer-loop settings, ``H`` to ``aggregation``, are those of
+    :class:`~atoll.protocol.manifest.OuterLoop`, which declares, documents and checks them;
+    here they are only what this run changes of them, and :meth:`engine_config` builds the
+    ``OuterLoop`` (construction checks it, except for ddp, which has no outer loop). They
+    stay fields of their own so that each is a flag of ``atoll simulate`` and a keyword of
+    ``SimConfig(...)`` and :meth:`with_`, and so that ``tau``, ``alpha`` and ``codec`` can
+    be left to the algorithm: streaming takes OuterLoop's defaults, diloco vanilla DiLoCo's
+    (τ 0, α 0, fp32), whatever the algorithm of a config derived with :meth:`with_`.
+    """
 
     algo: str = "streaming"
     """ddp, diloco or streaming"""
@@ -82,23 +98,22 @@ class SimConfig:
     """peak inner learning rate"""
     warmup: int = 50
     min_lr_ratio: float = 0.1
-    H: int = 100
-    """inner steps between syncs of one fragment"""
+    H: int = _RUN.H
     tau: int | None = None
     """overlap steps (default: 0 for diloco, 1 for streaming)"""
     alpha: float | None = None
     """merge weight of the local copy (default: 0 for diloco, 0.5 for streaming)"""
     codec: str | None = None
     """wire codec (default: fp32 for diloco, e3m0 for streaming)"""
+    codec_block: int = _RUN.codec_block
+    outer_lr: float = _RUN.outer_lr
+    outer_momentum: float = _RUN.outer_momentum
+    nesterov: bool = _RUN.nesterov
+    error_feedback: bool = _RUN.error_feedback
+    aggregation: str = _RUN.aggregation
     blocks_per_fragment: int = 3
     extras: str = "own"
     """where embeddings/norm/head go: own, first or last fragment"""
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    error_feedback: bool = False
-    aggregation: str = "mean"
-    """mean or rda"""
     fail_prob: float = 0.0
     """probability that a round's exchange fails (all members skip it): fault injection"""
     final_sync: bool = True
@@ -116,18 +131,16 @@ class SimConfig:
             raise ConfigError("replicas, steps and batch_size must be >= 1")
         if not 0.0 <= self.fail_prob <= 1.0:
             raise ConfigError(f"fail_prob must be in [0, 1], not {self.fail_prob}")
+        if self.algo != "ddp":
+            self.engine_config()
 
-    def engine_config(self) -> EngineConfig:
-        streaming = self.algo == "streaming"
-        return EngineConfig(
-            H=self.H,
-            tau=self.tau if self.tau is not None else (1 if streaming else 0),
-            alpha=self.alpha if self.alpha is not None else (0.5 if streaming else 0.0),
-            outer=OuterConfig(self.outer_lr, self.outer_momentum, self.nesterov),
-            codec=self.codec or ("e3m0" if streaming else "fp32"),
-            error_feedback=self.error_feedback,
-            aggregation=self.aggregation,
-        )
+    def engine_config(self) -> OuterLoop:
+        """The outer loop the replicas drive: the algorithm's defaults, then this run's."""
+        values = dict(_DILOCO) if self.algo != "streaming" else {}
+        for f in fields(OuterLoop):
+            if getattr(self, f.name) is not None:
+                values[f.name] = getattr(self, f.name)
+        return OuterLoop(**values)
 
     def inner_config(self) -> InnerConfig:
         return InnerConfig(

@@ -9,7 +9,8 @@ Map of the modules:
 - ``schedule``   which fragment syncs at which inner step
 - ``outer``      the outer optimizer (Nesterov SGD on fp32 global copies)
 - ``engine``     per-fragment outer state: begin a sync, deliver a result, or skip
-- ``manifest``   the run manifest (TOML) whose hash identifies a run
+- ``manifest``   the run manifest (TOML) whose hash identifies a run, and ``OuterLoop``,
+  the outer-loop settings it shares with the engine, the simulator and the demo
 - ``messages``   wire messages (msgpack, typed and size-checked) and length-prefixed frames
 - ``matchmaking`` who averages with whom: rank-ordered leaders, quorum, grace window
 - ``allreduce``  one atomic round of reduce-scatter + all-gather inside an agreed group
@@ -44,7 +45,8 @@ from atoll.protocol.fragments import (
     plan_balanced,
     plan_fragments,
 )
-from atoll.protocol.outer import OuterConfig, OuterSGD
+from atoll.protocol.manifest import OuterLoop
+from atoll.protocol.outer import OuterSGD
 from atoll.protocol.reduce import (
     Contribution,
     allreduce_bytes_per_peer,
@@ -66,8 +68,8 @@ __all__ = [
     "Fragment",
     "FragmentPlan",
     "FragmentStats",
-    "OuterConfig",
     "OuterEngine",
+    "OuterLoop",
     "OuterSGD",
     "PeerUnavailable",
     "RejectedContribution",

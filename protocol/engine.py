@@ -30,16 +30,16 @@ arithmetic the networked all-reduce performs chunk by chunk).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
-from atoll.protocol.codecs import Codec, make_codec
+from atoll.protocol.codecs import Codec
 from atoll.protocol.errors import ConfigError, RoundAborted
-from atoll.protocol.outer import OuterConfig, OuterSGD
+from atoll.protocol.manifest import AGGREGATIONS, OuterLoop
+from atoll.protocol.outer import OuterSGD
 from atoll.protocol.reduce import (
     Contribution,
     allreduce_bytes_per_peer,
@@ -61,44 +61,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-AGGREGATIONS = ("mean", "rda")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Settings of the outer loop (docs/ALGORITHMS.md §1 and §2)."""
-
-    H: int = 100
-    """inner steps between two syncs of the same fragment"""
-    tau: int = 1
-    """inner steps the exchange may overlap with training (0 = blocking, vanilla DiLoCo)"""
-    alpha: float = 0.5
-    """merge weight of the local copy: local ← α·local + (1−α)·global"""
-    outer: OuterConfig = field(default_factory=OuterConfig)
-    codec: str = "e3m0"
-    """wire codec of pseudo-gradients: fp32, bf16, int8, e3m0, e3m0-sr"""
-    codec_block: int = 128
-    """values per scale for the blockwise codecs"""
-    error_feedback: bool = False
-    """keep what quantization lost and add it to the fragment's next pseudo-gradient"""
-    aggregation: str = "mean"
-    """mean (token-weighted) or rda (radial-directional, Decoupled DiLoCo)"""
-
-    def __post_init__(self) -> None:
-        if self.H < 1:
-            raise ConfigError(f"H must be >= 1, not {self.H}")
-        if not 0 <= self.tau < self.H:
-            raise ConfigError(f"tau must be in [0, H={self.H}), not {self.tau}")
-        if not (0.0 <= self.alpha <= 1.0) or not math.isfinite(self.alpha):
-            raise ConfigError(f"alpha must be in [0, 1], not {self.alpha}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(
-                f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}"
-            )
-        self.make_codec()  # validates codec name and block
-
-    def make_codec(self) -> Codec:
-        return make_codec(self.codec, block=self.codec_block)
+EngineConfig = OuterLoop
+"""The engine's settings: the run's outer loop, :class:`~atoll.protocol.manifest.OuterLoop`
+(docs/ALGORITHMS.md §1 and §2), which declares and checks them; the engine, the network
+bridge and the tests know it by this name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +138,7 @@ class OuterEngine:
         self._frags = [
             _Fragment(
                 global_params=np.array(x, dtype=np.float32, copy=True).reshape(-1),
-                optimizer=OuterSGD(int(np.size(x)), config.outer),
+                optimizer=OuterSGD(int(np.size(x)), config),
                 residual=np.zeros(int(np.size(x)), np.float32) if config.error_feedback else None,
             )
             for x in initial
@@ -332,7 +298,7 @@ class OuterEngine:
                 f"expected {frag.global_params.size}"
             )
         self.skip(p, "rebased")
-        opt = OuterSGD(frag.global_params.size, self.config.outer)
+        opt = OuterSGD(frag.global_params.size, self.config)
         opt.load_state_dict(
             {
                 "numel": frag.global_params.size,
@@ -386,7 +352,7 @@ class OuterEngine:
                 raise ConfigError(f"fragment {p}: saved global copy has a wrong shape or dtype")
             if not np.isfinite(glob).all():
                 raise ConfigError(f"fragment {p}: saved global copy has non-finite values")
-            opt = OuterSGD(glob.size, self.config.outer)
+            opt = OuterSGD(glob.size, self.config)
             opt.load_state_dict(saved["optimizer"])
             residual = saved["residual"]
             if self.config.error_feedback:

@@ -26,6 +26,10 @@ Equal manifests have equal run ids: values are normalised first (an integer give
 float becomes that float, ``-0.0`` becomes ``0.0``, codec names and the corpus hash are
 lowercased), so that two spellings of the same run cannot split a swarm in two.
 
+The outer-loop settings (H, τ, α, codec, outer optimizer, aggregation) are declared once,
+in :class:`OuterLoop`: the manifest is one (its keys are the manifest's top-level keys),
+the engine takes one, and the simulator and the demo build one from their own choices.
+
 This module is pure: :meth:`RunManifest.from_toml` takes text, and only the convenience
 :meth:`RunManifest.load` reads a file.
 """
@@ -39,25 +43,29 @@ import math
 import os
 import tomllib
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Iterable
+from dataclasses import Field, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from atoll.protocol.codecs import make_codec
-from atoll.protocol.engine import AGGREGATIONS, EngineConfig
+from atoll.protocol.codecs import Codec, make_codec
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import EXTRAS_RULES
-from atoll.protocol.outer import OuterConfig
 
 __all__ = [
+    "AGGREGATIONS",
     "MANIFEST_VERSION",
     "GroupSettings",
+    "OuterLoop",
     "RunManifest",
     "Timeouts",
     "short_id",
 ]
+
+AGGREGATIONS = ("mean", "rda")
+"""How a group combines its pseudo-gradients: token-weighted mean, or radial-directional."""
 
 MANIFEST_VERSION: int = 1
 """Version of the canonical encoding hashed into the run id; bump it when fields change
@@ -132,10 +140,11 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _normalise(obj: Any, prefix: str) -> None:
-    """Type-check every scalar field of the dataclass ``obj`` and store its normal form."""
+def _normalise(obj: Any, prefix: str, only: Iterable[Field[Any]] | None = None) -> None:
+    """Type-check every scalar field of the dataclass ``obj`` (or those of ``only``) and
+    store its normal form."""
     hints = _hints(obj.__class__)
-    for f in fields(obj):
+    for f in fields(obj) if only is None else only:
         kind = hints[f.name]
         value = getattr(obj, f.name)
         if isinstance(kind, type) and is_dataclass(kind):
@@ -154,6 +163,75 @@ def _positive(key: str, value: float) -> None:
 
 
 # -- the settings ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class OuterLoop:
+    """The outer loop of Streaming DiLoCo (arXiv 2501.18512): every setting, declared once.
+
+    Its fields are the manifest's outer-loop keys, with their defaults and their help, and
+    :meth:`__post_init__` holds all of their checks; an ``OuterLoop`` that exists is valid.
+    It lives here, next to the manifest, because the manifest is one: :class:`RunManifest`
+    inherits it, so its fields stay top-level keys of the TOML (``H = 100``, ``codec =
+    "e3m0"``) and its checks run once, with the manifest's type checks and messages. The
+    engine takes one (:data:`atoll.protocol.engine.EngineConfig` is this class), the outer
+    optimizer reads its ``outer_*`` and ``nesterov`` fields, and the simulator and the demo
+    build one from what they choose. The codec spec (``codec`` with ``codec_block``) is
+    validated only here, by building the codec.
+
+    Values take a normal form: an integer given for a float becomes that float, ``-0.0``
+    becomes ``0.0`` and the codec name is lowercased, so that equal settings compare equal.
+    """
+
+    H: int = 100
+    """inner steps between two syncs of the same fragment"""
+    tau: int = 1
+    """inner steps a sync may overlap with training (0 = blocking, vanilla DiLoCo)"""
+    alpha: float = 0.5
+    """merge weight of the local copy: local ← α·local + (1−α)·global"""
+    codec: str = "e3m0"
+    """wire codec of pseudo-gradients: fp32, bf16, int8, e3m0, e3m0-sr"""
+    codec_block: int = 128
+    """values per scale for the blockwise codecs"""
+    outer_lr: float = 0.7
+    """learning rate of the outer SGD"""
+    outer_momentum: float = 0.9
+    """momentum of the outer SGD"""
+    nesterov: bool = True
+    """Nesterov momentum (else heavy ball)"""
+    error_feedback: bool = False
+    """carry what quantization lost into the fragment's next pseudo-gradient"""
+    aggregation: str = "mean"
+    """mean (token-weighted) or rda (radial-directional, Decoupled DiLoCo)"""
+
+    def __post_init__(self) -> None:
+        _normalise(self, "", fields(OuterLoop))
+        object.__setattr__(self, "codec", self.codec.strip().lower())
+        if self.H < 1:
+            raise ConfigError(f"H must be >= 1, not {self.H}")
+        if not 0 <= self.tau < self.H:
+            raise ConfigError(f"tau must be in [0, H={self.H}), not {self.tau}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"alpha must be in [0, 1], not {self.alpha}")
+        if self.codec_block < 1:
+            raise ConfigError(f"codec_block must be >= 1, not {self.codec_block}")
+        _positive("outer_lr", self.outer_lr)
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"outer_momentum must be in [0, 1), not {self.outer_momentum}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(
+                f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}"
+            )
+        try:
+            self.make_codec()
+        except ConfigError as e:
+            raise ConfigError(
+                f"codec = {self.codec!r}, codec_block = {self.codec_block}: {e}"
+            ) from e
+
+    def make_codec(self) -> Codec:
+        """The wire codec these settings name (``codec`` with ``codec_block``)."""
+        return make_codec(self.codec, block=self.codec_block)
+
+
 @dataclass(frozen=True, slots=True)
 class GroupSettings:
     """How averaging groups form (the ``[group]`` table).
@@ -218,12 +296,13 @@ class Timeouts:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class RunManifest:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunManifest(OuterLoop):
     """Everything the peers of one run must agree on; :meth:`run_id` names it.
 
-    The outer-loop fields are those of :class:`~atoll.protocol.engine.EngineConfig`
-    (Streaming DiLoCo, arXiv 2501.18512), the inner-loop fields those of the trainer.
+    The outer-loop fields (H, tau, alpha, codec, ...) are inherited from :class:`OuterLoop`,
+    which declares and checks them; the fields below are the run's own: the model, the data
+    and the inner loop of the trainer, and the ``[group]`` and ``[timeouts]`` tables.
     Construction validates everything; a manifest that exists is a valid one.
     """
 
@@ -247,37 +326,17 @@ class RunManifest:
     """inner steps of the cosine decay (the run's planned length)"""
     min_lr_ratio: float = 0.1
     """the cosine ends at lr × this"""
-    H: int = 100
-    """inner steps between two syncs of the same fragment"""
     blocks_per_fragment: int = 3
     """transformer blocks per fragment"""
     extras: str = "own"
     """where embeddings, final norm and head go: own, first or last fragment"""
-    tau: int = 1
-    """inner steps a sync may overlap with training (0 = blocking)"""
-    alpha: float = 0.5
-    """merge weight of the local copy: local ← α·local + (1−α)·global"""
-    codec: str = "e3m0"
-    """wire codec of pseudo-gradients: fp32, bf16, int8, e3m0, e3m0-sr"""
-    codec_block: int = 128
-    """values per scale for the blockwise codecs"""
-    outer_lr: float = 0.7
-    """learning rate of the outer Nesterov SGD"""
-    outer_momentum: float = 0.9
-    """momentum of the outer SGD"""
-    nesterov: bool = True
-    """Nesterov momentum (else heavy ball)"""
-    error_feedback: bool = False
-    """carry what quantization lost into the fragment's next pseudo-gradient"""
-    aggregation: str = "mean"
-    """mean (token-weighted) or rda (radial-directional)"""
     group: GroupSettings = field(default_factory=GroupSettings)
     """how averaging groups form"""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """every network wait of a round"""
 
     def __post_init__(self) -> None:
-        _normalise(self, "")
+        _normalise(self, "", _own_fields())
         name = self.name
         if not name.strip():
             raise ConfigError("name must not be empty")
@@ -294,7 +353,7 @@ class RunManifest:
                 f"corpus_sha256 must be empty or 64 hex digits, not {self.corpus_sha256!r}"
             )
         object.__setattr__(self, "corpus_sha256", digest)
-        object.__setattr__(self, "codec", self.codec.strip().lower())
+        OuterLoop.__post_init__(self)
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, not {self.seed}")
         if self.batch_size < 1:
@@ -310,43 +369,16 @@ class RunManifest:
             raise ConfigError(f"blocks_per_fragment must be >= 1, not {self.blocks_per_fragment}")
         if self.extras not in EXTRAS_RULES:
             raise ConfigError(f"extras must be one of {EXTRAS_RULES}, not {self.extras!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(
-                f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}"
-            )
-        if self.codec_block < 1:
-            raise ConfigError(f"codec_block must be >= 1, not {self.codec_block}")
-        _positive("outer_lr", self.outer_lr)
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ConfigError(f"outer_momentum must be in [0, 1), not {self.outer_momentum}")
         if self.group.grace_s >= self.timeouts.matchmaking_s:
             raise ConfigError(
                 f"group.grace_s ({self.group.grace_s}) must be < timeouts.matchmaking_s "
                 f"({self.timeouts.matchmaking_s}): matchmaking would end before the grace does"
             )
-        try:
-            make_codec(self.codec, block=self.codec_block)
-        except ConfigError as e:
-            raise ConfigError(
-                f"codec = {self.codec!r}, codec_block = {self.codec_block}: {e}"
-            ) from e
-        # H, tau and alpha are checked by the engine's own settings, so that a manifest the
-        # engine would refuse cannot exist
-        self.engine_config()
 
     # -- derived -----------------------------------------------------------------------------
-    def engine_config(self) -> EngineConfig:
-        """The outer-loop settings of this run, as the engine takes them."""
-        return EngineConfig(
-            H=self.H,
-            tau=self.tau,
-            alpha=self.alpha,
-            outer=OuterConfig(self.outer_lr, self.outer_momentum, self.nesterov),
-            codec=self.codec,
-            codec_block=self.codec_block,
-            error_feedback=self.error_feedback,
-            aggregation=self.aggregation,
-        )
+    def engine_config(self) -> OuterLoop:
+        """The outer-loop settings of this run alone, as the engine takes them."""
+        return OuterLoop(**{f.name: getattr(self, f.name) for f in fields(OuterLoop)})
 
     def run_id(self) -> str:
         """The run's identity: lowercase hex sha256 of the canonical encoding.
@@ -374,11 +406,8 @@ class RunManifest:
             document = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{source}: not valid TOML: {e}") from e
-        tables: dict[str, type[GroupSettings] | type[Timeouts]] = {
-            "group": GroupSettings,
-            "timeouts": Timeouts,
-        }
-        scalars = [f.name for f in fields(cls) if f.name not in tables]
+        tables = _TABLES
+        scalars = list(_top_level_keys())
         values: dict[str, Any] = {}
         try:
             for key, value in document.items():
@@ -411,17 +440,12 @@ class RunManifest:
     def to_toml(self) -> str:
         """This manifest as TOML text; :meth:`from_toml` gives back an equal manifest."""
         lines = [f"# atoll run manifest, run id {self.run_id()}"]
-        nested: list[str] = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if is_dataclass(value):
-                nested += ["", f"[{f.name}]"]
-                nested += [
-                    f"{g.name} = {_toml_value(getattr(value, g.name))}" for g in fields(value)
-                ]
-            else:
-                lines.append(f"{f.name} = {_toml_value(value)}")
-        return "\n".join(lines + nested) + "\n"
+        lines += [f"{key} = {_toml_value(getattr(self, key))}" for key in _top_level_keys()]
+        for key in _TABLES:
+            table = getattr(self, key)
+            lines += ["", f"[{key}]"]
+            lines += [f"{g.name} = {_toml_value(getattr(table, g.name))}" for g in fields(table)]
+        return "\n".join(lines) + "\n"
 
 
 def short_id(run_id: str) -> str:
@@ -432,6 +456,27 @@ def short_id(run_id: str) -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+_TABLES: dict[str, type[GroupSettings] | type[Timeouts]] = {
+    "group": GroupSettings,
+    "timeouts": Timeouts,
+}
+
+
+@functools.cache
+def _own_fields() -> tuple[Field[Any], ...]:
+    """The fields :class:`RunManifest` declares itself (not inherited from OuterLoop)."""
+    outer = {f.name for f in fields(OuterLoop)}
+    return tuple(f for f in fields(RunManifest) if f.name not in outer)
+
+
+@functools.cache
+def _top_level_keys() -> tuple[str, ...]:
+    """The manifest's top-level keys in the order :meth:`RunManifest.to_toml` writes them:
+    the run's own (name first), then the outer loop's."""
+    own = tuple(f.name for f in _own_fields() if f.name not in _TABLES)
+    return own + tuple(f.name for f in fields(OuterLoop))
+
+
 def _canonical(obj: Any) -> dict[str, Any]:
     """The fields of a dataclass as a dict with sorted keys, nested tables included."""
     out: dict[str, Any] = {}

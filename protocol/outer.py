@@ -18,68 +18,46 @@ The update is the one of ``torch.optim.SGD`` with ``dampening=0`` and
 
 so that with ``lr = 1`` and ``momentum = 0`` the new global copy is exactly the mean of
 the replicas' local copies. Everything is numpy; no torch is imported.
+
+The settings are the run's: ``outer_lr``, ``outer_momentum`` and ``nesterov`` of
+:class:`~atoll.protocol.manifest.OuterLoop`, which declares and checks them.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from atoll.protocol.errors import ConfigError
+from atoll.protocol.manifest import OuterLoop
 
-__all__ = ["OuterConfig", "OuterSGD"]
+__all__ = ["OuterSGD"]
 
 _STATE_KEYS = frozenset({"numel", "steps", "momentum_buffer"})
-
-
-@dataclass(frozen=True, slots=True)
-class OuterConfig:
-    """Settings of the outer SGD; defaults are DiLoCo's (arXiv 2311.08105)."""
-
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.lr, bool)
-            or not isinstance(self.lr, int | float)
-            or not math.isfinite(self.lr)
-            or self.lr <= 0
-        ):
-            raise ConfigError(f"outer lr must be a finite number > 0, got {self.lr!r}")
-        if (
-            isinstance(self.momentum, bool)
-            or not isinstance(self.momentum, int | float)
-            or not 0 <= self.momentum < 1
-        ):
-            raise ConfigError(f"outer momentum must be in [0, 1), got {self.momentum!r}")
-        if not isinstance(self.nesterov, bool):
-            raise ConfigError(f"nesterov must be a bool, got {self.nesterov!r}")
 
 
 class OuterSGD:
     """SGD with (Nesterov) momentum on an fp32 flat global copy.
 
     The pseudo-gradient ``delta = old_global - new_local`` is its gradient. One instance
-    serves one fragment: ``numel`` is the length of that fragment's flat vector. The
+    serves one fragment: ``numel`` is the length of that fragment's flat vector; ``config``
+    (default: DiLoCo's lr 0.7, momentum 0.9, Nesterov) gives ``outer_lr``,
+    ``outer_momentum`` and ``nesterov``. The
     momentum buffer is float32, like the global copy (arXiv 2311.08105 keeps both in fp32).
     """
 
     __slots__ = ("_buf", "_config", "_numel", "_steps")
 
-    def __init__(self, numel: int, config: OuterConfig | None = None) -> None:
+    def __init__(self, numel: int, config: OuterLoop | None = None) -> None:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
             raise ConfigError(f"numel must be an int >= 1, got {numel!r}")
         if config is None:
-            config = OuterConfig()
-        if not isinstance(config, OuterConfig):
-            raise ConfigError(f"config must be an OuterConfig, got {type(config).__name__}")
+            config = OuterLoop()
+        if not isinstance(config, OuterLoop):
+            raise ConfigError(f"config must be an OuterLoop, got {type(config).__name__}")
         self._numel = numel
         self._config = config
         self._buf: npt.NDArray[np.float32] = np.zeros(numel, dtype=np.float32)
@@ -91,7 +69,7 @@ class OuterSGD:
         return self._numel
 
     @property
-    def config(self) -> OuterConfig:
+    def config(self) -> OuterLoop:
         """The settings this optimizer was built with."""
         return self._config
 
@@ -127,7 +105,7 @@ class OuterSGD:
             raise ConfigError(f"grad must have shape ({n},), got {grad.shape}")
 
         cfg = self._config
-        mu = np.float32(cfg.momentum)
+        mu = np.float32(cfg.outer_momentum)
         g = grad.astype(np.float32, copy=False)
         buf = self._buf
         if self._steps == 0:
@@ -140,7 +118,7 @@ class OuterSGD:
             update += g
         else:
             update = buf.copy()
-        update *= np.float32(cfg.lr)
+        update *= np.float32(cfg.outer_lr)
         params -= update
         self._steps += 1
 

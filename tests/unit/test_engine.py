@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from atoll.protocol.codecs import make_codec
 from atoll.protocol.engine import EngineConfig, OuterEngine, average_requests
 from atoll.protocol.errors import ConfigError, RoundAborted
-from atoll.protocol.outer import OuterConfig
 from atoll.protocol.schedule import Schedule
 
-PLAIN = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)  # outer step = plain averaging
+# outer step = plain averaging
+PLAIN: dict[str, Any] = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
 
 
 def _engines(n: int, cfg: EngineConfig, init: list[np.ndarray]) -> list[OuterEngine]:
@@ -20,7 +22,7 @@ def _engines(n: int, cfg: EngineConfig, init: list[np.ndarray]) -> list[OuterEng
 
 
 def test_plain_outer_step_is_token_weighted_average_of_locals() -> None:
-    cfg = EngineConfig(H=4, tau=0, alpha=0.0, outer=PLAIN, codec="fp32")
+    cfg = EngineConfig(H=4, tau=0, alpha=0.0, **PLAIN, codec="fp32")
     init = [np.zeros(10, np.float32)]
     engs = _engines(3, cfg, init)
     rng = np.random.default_rng(0)
@@ -51,7 +53,7 @@ def test_nesterov_outer_step_moves_along_the_pseudo_gradient() -> None:
 
 
 def test_skip_applies_nothing_and_keeps_the_work() -> None:
-    cfg = EngineConfig(H=5, tau=1, alpha=0.5, outer=PLAIN, codec="fp32")
+    cfg = EngineConfig(H=5, tau=1, alpha=0.5, **PLAIN, codec="fp32")
     (eng,) = _engines(1, cfg, [np.zeros(3, np.float32)])
     eng.add_tokens(5)
     r1 = eng.begin(0, np.ones(3, np.float32), 4)
@@ -81,7 +83,7 @@ def test_wrong_round_and_double_begin_are_refused() -> None:
 
 
 def test_merge_alpha() -> None:
-    cfg = EngineConfig(H=5, tau=1, alpha=0.25, outer=PLAIN, codec="fp32")
+    cfg = EngineConfig(H=5, tau=1, alpha=0.25, **PLAIN, codec="fp32")
     (eng,) = _engines(1, cfg, [np.zeros(2, np.float32)])
     req = eng.begin(0, np.full(2, 4.0, np.float32), 4)
     eng.deliver(0, np.full(2, -4.0, np.float32), req.round)  # global becomes 4
@@ -93,7 +95,7 @@ def test_error_feedback_carries_what_quantization_lost() -> None:
     target = rng.normal(size=512).astype(np.float32) * 1e-3
     results = {}
     for ef in (False, True):
-        cfg = EngineConfig(H=2, tau=0, alpha=0.0, outer=PLAIN, codec="e3m0", error_feedback=ef)
+        cfg = EngineConfig(H=2, tau=0, alpha=0.0, **PLAIN, codec="e3m0", error_feedback=ef)
         (eng,) = _engines(1, cfg, [np.zeros(512, np.float32)])
         applied = np.zeros(512, np.float32)
         for _ in range(20):  # the same true pseudo-gradient every round
@@ -108,7 +110,7 @@ def test_error_feedback_carries_what_quantization_lost() -> None:
 
 
 def test_rda_restores_the_mean_norm() -> None:
-    cfg = EngineConfig(H=2, tau=0, alpha=0.0, outer=PLAIN, codec="fp32", aggregation="rda")
+    cfg = EngineConfig(H=2, tau=0, alpha=0.0, **PLAIN, codec="fp32", aggregation="rda")
     d = np.array([3.0, 4.0], np.float32)  # norm 5
     engs = _engines(2, cfg, [np.zeros(2, np.float32)])
     reqs = []

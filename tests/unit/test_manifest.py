@@ -18,7 +18,6 @@ from atoll.protocol.manifest import (
     Timeouts,
     short_id,
 )
-from atoll.protocol.outer import OuterConfig
 
 # a valid value different from the default, for every field
 CHANGED_TOP: dict[str, Any] = {
@@ -302,7 +301,9 @@ def test_engine_config_matches() -> None:
         H=50,
         tau=2,
         alpha=0.25,
-        outer=OuterConfig(lr=0.5, momentum=0.8, nesterov=False),
+        outer_lr=0.5,
+        outer_momentum=0.8,
+        nesterov=False,
         codec="int8",
         codec_block=64,
         error_feedback=True,
@@ -310,7 +311,7 @@ def test_engine_config_matches() -> None:
     )
     d = base().engine_config()
     assert (d.H, d.tau, d.alpha, d.codec, d.codec_block) == (100, 1, 0.5, "e3m0", 128)
-    assert d.outer == OuterConfig(0.7, 0.9, True)
+    assert (d.outer_lr, d.outer_momentum, d.nesterov) == (0.7, 0.9, True)
 
 
 def test_short_id() -> None:

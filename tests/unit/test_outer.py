@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from atoll.protocol.errors import ConfigError
-from atoll.protocol.outer import OuterConfig, OuterSGD
+from atoll.protocol.manifest import OuterLoop
+from atoll.protocol.outer import OuterSGD
 
 
 def torch_reference(
@@ -31,7 +32,7 @@ def test_matches_torch_sgd(lr: float, momentum: float, nesterov: bool) -> None:
     init = rng.standard_normal(n).astype(np.float32)
     grads = [rng.standard_normal(n).astype(np.float32) * 0.1 for _ in range(6)]
     params = init.copy()
-    opt = OuterSGD(n, OuterConfig(lr=lr, momentum=momentum, nesterov=nesterov))
+    opt = OuterSGD(n, OuterLoop(outer_lr=lr, outer_momentum=momentum, nesterov=nesterov))
     for g in grads:
         opt.step(params, g)
     assert opt.steps == 6
@@ -42,7 +43,7 @@ def test_matches_torch_sgd(lr: float, momentum: float, nesterov: bool) -> None:
 
 def test_default_config_is_diloco() -> None:
     cfg = OuterSGD(3).config
-    assert (cfg.lr, cfg.momentum, cfg.nesterov) == (0.7, 0.9, True)
+    assert (cfg.outer_lr, cfg.outer_momentum, cfg.nesterov) == (0.7, 0.9, True)
 
 
 def test_lr1_momentum0_is_plain_average() -> None:
@@ -51,7 +52,7 @@ def test_lr1_momentum0_is_plain_average() -> None:
     global_ = rng.standard_normal(n).astype(np.float32)
     locals_ = [global_ + rng.standard_normal(n).astype(np.float32) for _ in range(m)]
     delta = np.mean([global_ - loc for loc in locals_], axis=0)  # float64 mean: cast
-    opt = OuterSGD(n, OuterConfig(lr=1.0, momentum=0.0))
+    opt = OuterSGD(n, OuterLoop(outer_lr=1.0, outer_momentum=0.0))
     params = global_.copy()
     opt.step(params, delta)
     np.testing.assert_allclose(params, np.mean(locals_, axis=0), rtol=1e-6, atol=1e-6)
@@ -140,18 +141,18 @@ def test_step_rejects_mismatch() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"lr": 0.0},
-        {"lr": -1.0},
-        {"lr": float("nan")},
-        {"lr": float("inf")},
-        {"momentum": 1.0},
-        {"momentum": -0.1},
+        {"outer_lr": 0.0},
+        {"outer_lr": -1.0},
+        {"outer_lr": float("nan")},
+        {"outer_lr": float("inf")},
+        {"outer_momentum": 1.0},
+        {"outer_momentum": -0.1},
         {"nesterov": 1},
     ],
 )
 def test_config_validation(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
-        OuterConfig(**kwargs)
+        OuterLoop(**kwargs)
 
 
 def test_numel_validation() -> None:

@@ -11,13 +11,14 @@ from atoll.protocol import sync as fs
 from atoll.protocol.allreduce import RoundKey
 from atoll.protocol.engine import EngineConfig, OuterEngine
 from atoll.protocol.errors import ConfigError
-from atoll.protocol.outer import OuterConfig
 from atoll.protocol.schedule import Schedule
 
 N = 64
 RUN = "r" * 64
 ME = "peer-me"
-CFG = EngineConfig(H=4, tau=1, alpha=0.5, outer=OuterConfig(1.0, 0.0, False), codec="fp32")
+CFG = EngineConfig(
+    H=4, tau=1, alpha=0.5, outer_lr=1.0, outer_momentum=0.0, nesterov=False, codec="fp32"
+)
 
 
 def _engine(seed: int = 0, init: float = 0.0) -> OuterEngine:
