@@ -31,9 +31,11 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, TextIO
 
-from atoll.node.config import add_arguments, build_config, load_toml
+from atoll.node.config import add_arguments, build_config, field_help, load_toml
+from atoll.node.demo import DemoConfig
 from atoll.node.settings import BootstrapConfig, NodeConfig, SimConfig
 from atoll.protocol.errors import AtollError
+from atoll.protocol.manifest import OuterLoop
 
 __all__ = ["format_table", "main"]
 
@@ -104,7 +106,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.simulated:
         return _simulated_demo(args)
-    from atoll.node.demo import DemoConfig, run_demo
+    from atoll.node.demo import run_demo
 
     cfg = DemoConfig(
         nodes=args.replicas,
@@ -254,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser("simulate", help="train M replicas in one process, no network")
-    add_arguments(sim, SimConfig)
+    add_arguments(sim, SimConfig, help_from=OuterLoop)
     sim.add_argument("--config", help="TOML file (a [simulate] table or top-level keys)")
     sim.add_argument("--json", help="write the result to this file")
     sim.set_defaults(func=_cmd_simulate)
@@ -269,10 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     demo.add_argument("--replicas", "--nodes", type=int, default=4, help="nodes (default 4)")
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--H", type=int, default=50)
-    demo.add_argument("--tau", type=int, default=5)
-    demo.add_argument("--preset", default="tiny")
+    demo.add_argument("--steps", type=int, default=DemoConfig.steps)
+    for name in ("H", "tau"):  # the run's outer loop: OuterLoop's help, the demo's defaults
+        demo.add_argument(
+            f"--{name}",
+            type=int,
+            default=getattr(DemoConfig, name),
+            help=f"{field_help(OuterLoop)[name]} (default: %(default)s)",
+        )
+    demo.add_argument("--preset", default=DemoConfig.preset)
     demo.add_argument("--workdir", help="keep the nodes' files and logs in this folder")
     demo.add_argument(
         "--simulated",

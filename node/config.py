@@ -82,10 +82,18 @@ def _convert(cls: type, name: str, value: Any, source: str) -> Any:
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    skip: tuple[str, ...] = (),
+    help_from: type | None = None,
 ) -> None:
-    """One ``--flag`` per field; defaults stay None so later layers can tell what was given."""
-    helps = field_help(cls)
+    """One ``--flag`` per field; defaults stay None so later layers can tell what was given.
+
+    A field without a help line of its own takes that of the same field of ``help_from``
+    (a dataclass whose settings ``cls`` repeats as flags).
+    """
+    helps = {**(field_help(help_from) if help_from is not None else {}), **field_help(cls)}
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.init:
             continue

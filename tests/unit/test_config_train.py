@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -17,6 +18,7 @@ from atoll.node.simulate import SimConfig
 from atoll.node.train import FragmentViews, InnerConfig, lr_at
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import plan_fragments
+from atoll.protocol.manifest import OuterLoop
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -38,6 +40,21 @@ def test_every_setting_has_a_flag_with_help() -> None:
     ):
         assert flag in text
     assert "ddp, diloco or streaming" in field_help(SimConfig)["algo"]
+
+
+def test_every_outer_loop_setting_is_a_simulate_flag_with_its_help() -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p, SimConfig, help_from=OuterLoop)
+    text = " ".join(p.format_help().split())
+    for f in dataclasses.fields(OuterLoop):
+        assert f"--{f.name.replace('_', '-')}" in text
+    assert field_help(OuterLoop)["outer_lr"] in text
+    assert SimConfig().engine_config() == OuterLoop()
+    diloco = SimConfig(algo="diloco", H=10).engine_config()
+    assert diloco == OuterLoop(H=10, tau=0, alpha=0.0, codec="fp32")
+    assert SimConfig(algo="diloco").with_(algo="streaming").engine_config() == OuterLoop()
+    with pytest.raises(ConfigError, match="codec = 'fp7'"):
+        SimConfig(codec="fp7")
 
 
 def test_precedence_default_toml_env_cli(tmp_path: Path) -> None:
