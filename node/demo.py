@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from atoll.protocol.errors import ConfigError
+from atoll.protocol.manifest import OuterLoop
 
 __all__ = ["DemoConfig", "manifest_text", "run_demo"]
 
@@ -64,6 +65,7 @@ class DemoConfig:
             raise ConfigError("the demo needs at least 2 nodes")
         if self.steps < self.H:
             raise ConfigError(f"steps ({self.steps}) must be at least H ({self.H})")
+        OuterLoop(H=self.H, tau=self.tau, codec=self.codec)  # checked where it is declared
 
 
 def manifest_text(cfg: DemoConfig) -> str:
