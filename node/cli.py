@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Ctrl+C stops cleanly after the current step."
         ),
     )
-    add_arguments(node, NodeConfig, skip=("join", "listen"))
+    add_arguments(node, NodeConfig, skip=("join", "listen", "fault"))
     node.add_argument(
         "--join",
         action="append",

@@ -217,6 +217,9 @@ class NodeConfig:
     """validation batches evaluated at the end (0: none)"""
     progress: str = "text"
     """text (a status line on stderr), jsonl (JSON lines on stdout) or none"""
+    fault: str = ""
+    """fault injection for tests (kill:POINT:FRAGMENT:SLOT, usually from ATOLL_FAULT):
+    the network process kills itself at that point of that round; no command-line flag"""
 
     def __post_init__(self) -> None:
         if not self.run.strip():
