@@ -13,6 +13,10 @@ trainer's GIL (docs/DESIGN.md, "Concurrency"). Per inner step:
    round is merged (local ← α·local + (1−α)·global); a wait that runs out is counted and
    logged, and a late result is merged when it arrives.
 
+Steps 2 and 3 are :class:`~atoll.protocol.streaming.StreamingLoop`, the simulator's loop
+too; its exchange here is the bridge (:class:`_BridgeExchange`). After a rebase that
+found the swarm further ahead in time, the trainer jumps to the swarm's step.
+
 Progress goes to stderr every ``log_every`` steps: step, loss, tokens/s, peers seen, the
 last sync of every fragment, bytes up and down, and the time spent waiting on the
 network; ``--progress jsonl`` writes the same as JSON lines to stdout (for ``atoll demo``
@@ -39,14 +43,17 @@ import torch
 
 from atoll.node.data import Batcher, load_corpus
 from atoll.node.model import build, tensor_specs
-from atoll.node.net.bridge import NetworkBridge, SharedFragments, SyncOutcome, merge
+from atoll.node.net.bridge import NetworkBridge, SharedFragments, SyncOutcome
+from atoll.node.net.status import NodeStatus
 from atoll.node.settings import NodeConfig
 from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, resolve_device
+from atoll.protocol.engine import merge
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import plan_fragments
 from atoll.protocol.manifest import RunManifest
 from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
+from atoll.protocol.streaming import StreamingLoop
 from atoll.security.identity import IdentityLock, load_or_create
 
 __all__ = ["NodeSummary", "run_node"]
@@ -247,136 +254,176 @@ def _train(
     logger.info("peer %s trains from step %d", status.peer_id, start)
     if on_start is not None:
         on_start(status.as_dict())
-    t0 = time.perf_counter()
-    tokens = 0
-    losses: list[float] = []
-    first_loss = float("nan")
-    apply_at: dict[int, int] = {}  # fragment -> step after which its result is needed
-    wait_runs_out = 0
-    end = start + cfg.steps if cfg.steps else manifest.total_steps
-    step = start
-
+    exchange = _BridgeExchange(bridge, shared, views, manifest.alpha)
+    loop = StreamingLoop(
+        schedule, exchange, tau=manifest.tau, apply_wait_s=manifest.timeouts.apply_wait_s
+    )
+    run = _Run(start=start, end=start + cfg.steps if cfg.steps else manifest.total_steps)
     jump_to = 0  # a rebase found the swarm at this step (0: no jump)
-    jumped = 0  # steps skipped to meet the swarm
-
-    def take(outcome: SyncOutcome, late: bool) -> None:
-        nonlocal jump_to
-        apply_at.pop(outcome.fragment, None)
-        if outcome.applied:
-            p = outcome.fragment
-            views.set(p, merge(views.get(p), shared.global_(p), manifest.alpha))
-            if late:
-                logger.info("fragment %d: late result merged at step %d", p, step)
-            if outcome.reason.startswith("rebased"):
+    last_report = time.monotonic()
+    while run.step < run.end and not stop.by:
+        if jump_to > run.step + manifest.tau:
+            run.jump(jump_to, extend=bool(cfg.steps))
+        jump_to = 0
+        run.losses.append(rep.train_step(run.step))
+        run.tokens += rep.batcher.tokens_per_batch
+        for outcome in loop.after_step(run.step, run.tokens):
+            if outcome.applied and outcome.reason.startswith("rebased"):
                 # the swarm got ahead in time, not only in versions: rejoin its rounds
                 jump_to = max(jump_to, bridge.status.swarm_step)
-        else:
-            logger.info("fragment %d: round skipped (%s)", outcome.fragment, outcome.reason)
-
-    last_report = time.monotonic()
-    while step < end and not stop.by:
-        if jump_to > step + manifest.tau:
-            logger.warning(
-                "step %d: the swarm is at step %d; jumping there to meet its rounds",
-                step,
-                jump_to,
-            )
-            if cfg.steps:  # --steps counts steps trained: the jump does not use them up
-                end += jump_to - step
-            jumped += min(jump_to, end - 1) - step
-            step = min(jump_to, end - 1)
-        jump_to = 0
-        loss = rep.train_step(step)
-        losses.append(loss)
-        if step == start:
-            first_loss = loss
-        tokens += rep.batcher.tokens_per_batch
-        for outcome in bridge.poll():  # results that came after their wait ran out
-            take(outcome, late=True)
-        for p in [p for p, at in apply_at.items() if at <= step]:
-            got = bridge.wait(p, manifest.timeouts.apply_wait_s)
-            if got is None:
-                wait_runs_out += 1
-                apply_at.pop(p)
-                logger.info(
-                    "fragment %d: no result within %.1f s; training on",
-                    p,
-                    manifest.timeouts.apply_wait_s,
-                )
-            else:
-                take(got, late=False)
-        for p in schedule.due(step):
-            if bridge.in_flight(p):
-                logger.info("fragment %d: previous sync still in flight; this one skipped", p)
-                continue
-            shared.local(p)[:] = views.get(p)
-            bridge.start_sync(p, step, tokens)
-            apply_at[p] = step + manifest.tau
-        step += 1
+        run.step += 1
         if progress and (
-            step % cfg.log_every == 0 or step == end or time.monotonic() - last_report > 10
+            run.step % cfg.log_every == 0
+            or run.step == run.end
+            or time.monotonic() - last_report > 10
         ):
             last_report = time.monotonic()
-            window = losses[-cfg.log_every :]
-            wall = time.perf_counter() - t0
-            status = bridge.status
-            progress(
-                {
-                    "step": step,
-                    "end": end,
-                    "loss": sum(window) / len(window),
-                    "tokens_per_s": tokens / max(wall, 1e-9),
-                    "wall_s": wall,
-                    "compute_s": rep.timer.compute_s,
-                    "net_wait_s": bridge.stats.wait_s,
-                    "peers": status.peers_seen,
-                    "last_sync": {str(k): v for k, v in sorted(status.last_sync.items())},
-                    "bytes_up": status.bytes_up,
-                    "bytes_down": status.bytes_down,
-                    "rounds_applied": status.rounds_applied,
-                    "peer_id": status.peer_id,
-                }
-            )
-    # the rounds still in flight finish (bounded) so the last results are merged
-    for p in list(apply_at):
-        got = bridge.wait(p, manifest.timeouts.apply_wait_s)
-        if got is not None:
-            take(got, late=False)
-    wall = time.perf_counter() - t0
-    status = bridge.refresh(1.5)
+            progress(run.progress(rep, bridge, cfg.log_every))
+    loop.finish()  # the rounds still in flight finish (bounded) so the last results merge
+    wall = time.perf_counter() - run.t0
+    final = bridge.refresh(1.5)
     eval_loss: float | None = None
     if cfg.eval_batches:
-        val = rep.batcher.val_batches(cfg.eval_batches, 16)
-        eval_loss = evaluate(rep.model, val, rep.device)
-    done = len(losses)  # steps trained (jumps excluded)
-    peers = status.peers_seen
-    window = losses[-cfg.log_every :] or [float("nan")]
-    return NodeSummary(
-        peer_id=status.peer_id,
+        eval_loss = evaluate(rep.model, rep.batcher.val_batches(cfg.eval_batches, 16), rep.device)
+    ddp_step = allreduce_bytes_per_peer(4 * n_params, max(2, 1 + final.peers_seen))
+    return run.summary(
+        final,
+        rep,
+        bridge,
         run_id=run_id,
-        start_step=start,
-        steps=done,
-        final_step=step,
-        first_loss=first_loss,
-        last_loss=sum(window) / len(window),
-        eval_loss=eval_loss,
-        tokens=tokens,
         wall_s=wall,
-        compute_s=rep.timer.compute_s,
-        net_wait_s=bridge.stats.wait_s,
-        bytes_up=status.bytes_up,
-        bytes_down=status.bytes_down,
-        ddp_bytes=allreduce_bytes_per_peer(4 * n_params, max(2, 1 + peers)) * done,
-        rounds_applied=status.rounds_applied,
-        rounds_failed=status.rounds_failed,
-        rounds_alone=status.rounds_alone,
-        rebases=status.rebases,
-        waits_run_out=wait_runs_out,
-        steps_jumped=jumped,
+        eval_loss=eval_loss,
+        ddp_bytes=ddp_step * len(run.losses),
+        waits_run_out=loop.stats.waits_run_out,
         stopped_by=stop.by or "steps",
         global_digest=_digest(shared),
-        info=status.as_dict(),
+        log_every=cfg.log_every,
     )
+
+
+class _BridgeExchange:
+    """The node's :class:`~atoll.protocol.streaming.Exchange`: the network bridge, plus the
+    copies of fragment values between the model and shared memory."""
+
+    def __init__(
+        self, bridge: NetworkBridge, shared: SharedFragments, views: FragmentViews, alpha: float
+    ) -> None:
+        self.bridge = bridge
+        self.shared = shared
+        self.views = views
+        self.alpha = alpha
+
+    def start(self, fragment: int, step: int, tokens: int) -> None:
+        self.shared.local(fragment)[:] = self.views.get(fragment)
+        self.bridge.start_sync(fragment, step, tokens)
+
+    def in_flight(self, fragment: int) -> bool:
+        return self.bridge.in_flight(fragment)
+
+    def poll(self) -> list[SyncOutcome]:
+        return self.bridge.poll()
+
+    def wait(self, fragment: int, timeout_s: float) -> SyncOutcome | None:
+        return self.bridge.wait(fragment, timeout_s)
+
+    def merge(self, fragment: int) -> None:
+        local = self.views.get(fragment)
+        self.views.set(fragment, merge(local, self.shared.global_(fragment), self.alpha))
+
+
+@dataclass
+class _Run:
+    """The trainer's counters while it runs: steps, tokens, losses, jumps."""
+
+    start: int
+    end: int
+    step: int = -1
+    tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    jumped: int = 0
+    """steps skipped to meet the swarm"""
+    t0: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.step = self.start
+
+    def jump(self, to: int, *, extend: bool) -> None:
+        """Skip to the swarm's step ``to`` (never past the last step). ``extend``: the end
+        moves too (``--steps`` counts steps trained, so a jump does not use them up)."""
+        logger.warning(
+            "step %d: the swarm is at step %d; jumping there to meet its rounds", self.step, to
+        )
+        if extend:
+            self.end += to - self.step
+        target = min(to, self.end - 1)
+        self.jumped += target - self.step
+        self.step = target
+
+    def progress(self, rep: Replica, bridge: NetworkBridge, log_every: int) -> dict[str, Any]:
+        """One progress report (the status line, or a JSON line)."""
+        window = self.losses[-log_every:]
+        wall = time.perf_counter() - self.t0
+        status = bridge.status
+        return {
+            "step": self.step,
+            "end": self.end,
+            "loss": sum(window) / len(window),
+            "tokens_per_s": self.tokens / max(wall, 1e-9),
+            "wall_s": wall,
+            "compute_s": rep.timer.compute_s,
+            "net_wait_s": bridge.stats.wait_s,
+            "peers": status.peers_seen,
+            "last_sync": {str(k): v for k, v in sorted(status.last_sync.items())},
+            "bytes_up": status.bytes_up,
+            "bytes_down": status.bytes_down,
+            "rounds_applied": status.rounds_applied,
+            "peer_id": status.peer_id,
+        }
+
+    def summary(
+        self,
+        status: NodeStatus,
+        rep: Replica,
+        bridge: NetworkBridge,
+        *,
+        run_id: str,
+        wall_s: float,
+        eval_loss: float | None,
+        ddp_bytes: int,
+        waits_run_out: int,
+        stopped_by: str,
+        global_digest: str,
+        log_every: int,
+    ) -> NodeSummary:
+        """What the node reports when it stops, from the network process's last status."""
+        done = len(self.losses)  # steps trained (jumps excluded)
+        window = self.losses[-log_every:] or [float("nan")]
+        return NodeSummary(
+            peer_id=status.peer_id,
+            run_id=run_id,
+            start_step=self.start,
+            steps=done,
+            final_step=self.step,
+            first_loss=self.losses[0] if self.losses else float("nan"),
+            last_loss=sum(window) / len(window),
+            eval_loss=eval_loss,
+            tokens=self.tokens,
+            wall_s=wall_s,
+            compute_s=rep.timer.compute_s,
+            net_wait_s=bridge.stats.wait_s,
+            bytes_up=status.bytes_up,
+            bytes_down=status.bytes_down,
+            ddp_bytes=ddp_bytes,
+            rounds_applied=status.rounds_applied,
+            rounds_failed=status.rounds_failed,
+            rounds_alone=status.rounds_alone,
+            rebases=status.rebases,
+            waits_run_out=waits_run_out,
+            steps_jumped=self.jumped,
+            stopped_by=stopped_by,
+            global_digest=global_digest,
+            info=status.as_dict(),
+        )
 
 
 class ProgressPrinter:

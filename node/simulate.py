@@ -16,6 +16,7 @@ encoded sizes under a bandwidth-optimal all-reduce (reduce-scatter + all-gather)
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
 import random
@@ -34,6 +35,7 @@ from atoll.protocol.engine import OuterEngine, SyncRequest, average_requests
 from atoll.protocol.fragments import Fragment, FragmentPlan, plan_fragments
 from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
+from atoll.protocol.streaming import StreamingLoop, SyncOutcome
 
 __all__ = ["ALGOS", "Progress", "SimConfig", "SimResult", "simulate"]
 
@@ -119,127 +121,204 @@ def simulate(
     batcher = Batcher(corpus, seq_len, cfg.batch_size, cfg.seed)
     val = batcher.val_batches(cfg.eval_batches, 16)
     n_params = sum(p.numel() for p in model0.parameters())
-    inner = cfg.inner_config()
     tokens_per_step = cfg.replicas * batcher.tokens_per_batch
     ddp_step_bytes = allreduce_bytes_per_peer(4 * n_params, cfg.replicas)
-    history: list[tuple[int, float]] = []
-    t0 = time.perf_counter()
-    sent = 0
-    losses: list[float] = []
-
-    def report(step: int, eval_model: Callable[[], torch.nn.Module]) -> None:
-        done = step + 1
-        ev = None
-        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-            ev = evaluate(eval_model(), val, device)
-            history.append((done, ev))
-        if progress and (done % cfg.log_every == 0 or done == cfg.steps or ev is not None):
-            window = losses[-cfg.log_every :]
-            rate = done * tokens_per_step / max(1e-9, time.perf_counter() - t0)
-            progress(Progress(cfg.algo, done, cfg.steps, sum(window) / len(window), rate, sent, ev))
-
-    if cfg.algo == "ddp":
-        rep = Replica(model0, inner, batcher, 0, device)
-        for step in range(cfg.steps):
-            batches = [batcher.batch(m, step) for m in range(cfg.replicas)]
-            losses.append(rep.train_step(step, batches))
-            sent += ddp_step_bytes
-            report(step, lambda: rep.model)
-        eval_loss = evaluate(rep.model, val, device)
-        compute_s, n_frags, applied, skipped = rep.timer.compute_s, 0, 0, 0
-        digests = []
-    else:
-        eng_cfg = cfg.engine_config()
-        plan = _plan(cfg, model0)
-        schedule = Schedule(cfg.H, len(plan))
-        reps = [
-            Replica(copy.deepcopy(model0), inner, batcher, m, device) for m in range(cfg.replicas)
-        ]
-        views = [FragmentViews(r.model, plan) for r in reps]
-        initial = [views[0].get(p) for p in range(len(plan))]
-        engines = [
-            OuterEngine(eng_cfg, schedule, initial, seed=cfg.seed * 1000 + m)
-            for m in range(cfg.replicas)
-        ]
-        codec = engines[0].codec
-        in_flight: dict[int, list[SyncRequest]] = {}
-        log.info("%s: %d fragments\n%s", cfg.algo, len(plan), plan.describe())
-
-        faults = random.Random(cfg.seed)
-
-        def finish(p: int, final: bool = False) -> None:
-            nonlocal sent
-            requests = in_flight.pop(p)
-            averaged, nbytes = average_requests(requests, codec, eng_cfg.aggregation)
-            sent += nbytes  # a failed round counts as sent in full: an upper bound
-            if not final and cfg.fail_prob and faults.random() < cfg.fail_prob:
-                for eng in engines:  # the exchange broke: every member skips, none applies
-                    eng.skip(p, "injected fault")
-                return
-            applied_upto[p] = requests[0].step
-            for view, eng in zip(views, engines, strict=True):
-                eng.deliver(p, averaged, requests[0].round)
-                view.set(p, eng.merge(p, view.get(p)))
-
-        def start(p: int, step: int) -> None:
-            in_flight[p] = [
-                eng.begin(p, view.get(p), step) for view, eng in zip(views, engines, strict=True)
-            ]
-
-        def global_model() -> torch.nn.Module:
-            m = copy.deepcopy(reps[0].model)
-            global_views = FragmentViews(m, plan)
-            for p in range(len(plan)):
-                global_views.set(p, engines[0].global_params(p))
-            return m
-
-        applied_upto = [-1] * len(plan)  # step of the last start whose round was applied
-        for step in range(cfg.steps):
-            step_losses = []
-            for rep, eng in zip(reps, engines, strict=True):
-                step_losses.append(rep.train_step(step))
-                eng.add_tokens(batcher.tokens_per_batch)
-            losses.append(sum(step_losses) / len(step_losses))
-            for p in [p for p, reqs in in_flight.items() if reqs[0].apply_step == step]:
-                finish(p)
-            for p in schedule.due(step):
-                start(p, step)
-                if eng_cfg.tau == 0:
-                    finish(p)
-            report(step, global_model)
-        for p in list(in_flight):  # the last exchanges complete after the final step
-            finish(p)
-        if cfg.final_sync:
-            for p in range(len(plan)):
-                if applied_upto[p] < cfg.steps - 1:
-                    start(p, cfg.steps - 1)
-                    finish(p, final=True)
-        eval_loss = evaluate(global_model(), val, device)
-        compute_s = sum(r.timer.compute_s for r in reps)
-        n_frags = len(plan)
-        applied = sum(e.stats(p).applied for e in engines[:1] for p in range(len(plan)))
-        skipped = sum(e.stats(p).skipped for e in engines[:1] for p in range(len(plan)))
-        digests = [_digest(e) for e in engines]
-
+    run = _Reporter(cfg, val, device, tokens_per_step, progress)
+    train = _train_ddp if cfg.algo == "ddp" else _train_outer
+    done = train(cfg, model0, batcher, run, ddp_step_bytes)
+    window = run.losses[-cfg.log_every :]
     result = SimResult(
         algo=cfg.algo,
-        eval_loss=eval_loss,
-        train_loss=sum(losses[-cfg.log_every :]) / len(losses[-cfg.log_every :]),
+        eval_loss=done.eval_loss,
+        train_loss=sum(window) / len(window),
         tokens=cfg.steps * tokens_per_step,
-        bytes_per_replica=sent,
+        bytes_per_replica=done.sent,
         ddp_bytes_per_replica=ddp_step_bytes * cfg.steps,
-        wall_s=time.perf_counter() - t0,
-        compute_s=compute_s,
+        wall_s=time.perf_counter() - run.t0,
+        compute_s=done.compute_s,
         params=n_params,
-        fragments=n_frags,
-        syncs_applied=applied,
-        syncs_skipped=skipped,
+        fragments=done.fragments,
+        syncs_applied=done.applied,
+        syncs_skipped=done.skipped,
         config={
             **asdict(cfg),
             "engine": asdict(cfg.engine_config()) if cfg.algo != "ddp" else None,
         },
-        history=[*history, (cfg.steps, eval_loss)],
-        global_digests=digests,
+        history=[*run.history, (cfg.steps, done.eval_loss)],
+        global_digests=done.digests,
     )
-    log.info("%s done: eval %.4f, %d bytes/replica", cfg.algo, eval_loss, sent)
+    log.info("%s done: eval %.4f, %d bytes/replica", cfg.algo, done.eval_loss, done.sent)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class _Trained:
+    """What a training loop of the simulator hands back to :func:`simulate`."""
+
+    eval_loss: float
+    compute_s: float
+    sent: int
+    """bytes each replica sent"""
+    fragments: int = 0
+    applied: int = 0
+    skipped: int = 0
+    digests: list[str] = field(default_factory=list)
+
+
+class _Reporter:
+    """The losses, the periodic evaluations and the progress reports of one run."""
+
+    def __init__(
+        self,
+        cfg: SimConfig,
+        val: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        tokens_per_step: int,
+        progress: Callable[[Progress], None] | None,
+    ) -> None:
+        self.cfg = cfg
+        self.val = val
+        self.device = device
+        self.tokens_per_step = tokens_per_step
+        self.progress = progress
+        self.losses: list[float] = []
+        self.history: list[tuple[int, float]] = []
+        self.t0 = time.perf_counter()
+
+    def step(self, step: int, eval_model: Callable[[], torch.nn.Module], sent: int) -> None:
+        """After step ``step``: evaluate every ``eval_every`` steps, report every
+        ``log_every`` steps (``sent``: bytes per replica so far)."""
+        cfg = self.cfg
+        done = step + 1
+        ev = None
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            ev = evaluate(eval_model(), self.val, self.device)
+            self.history.append((done, ev))
+        if self.progress and (done % cfg.log_every == 0 or done == cfg.steps or ev is not None):
+            window = self.losses[-cfg.log_every :]
+            rate = done * self.tokens_per_step / max(1e-9, time.perf_counter() - self.t0)
+            loss = sum(window) / len(window)
+            self.progress(Progress(cfg.algo, done, cfg.steps, loss, rate, sent, ev))
+
+
+def _train_ddp(
+    cfg: SimConfig, model0: torch.nn.Module, batcher: Batcher, run: _Reporter, step_bytes: int
+) -> _Trained:
+    """Data-parallel: one model on the concatenation of the M replicas' batches."""
+    rep = Replica(model0, cfg.inner_config(), batcher, 0, run.device)
+    for step in range(cfg.steps):
+        batches = [batcher.batch(m, step) for m in range(cfg.replicas)]
+        run.losses.append(rep.train_step(step, batches))
+        run.step(step, lambda: rep.model, step_bytes * (step + 1))
+    eval_loss = evaluate(rep.model, run.val, run.device)
+    return _Trained(eval_loss, rep.timer.compute_s, step_bytes * cfg.steps)
+
+
+def _train_outer(
+    cfg: SimConfig, model0: torch.nn.Module, batcher: Batcher, run: _Reporter, _: int
+) -> _Trained:
+    """DiLoCo or Streaming DiLoCo: M replicas, each with its own engine, and one loop."""
+    eng_cfg = cfg.engine_config()
+    plan = _plan(cfg, model0)
+    schedule = Schedule(cfg.H, len(plan))
+    inner = cfg.inner_config()
+    reps = [
+        Replica(copy.deepcopy(model0), inner, batcher, m, run.device) for m in range(cfg.replicas)
+    ]
+    views = [FragmentViews(r.model, plan) for r in reps]
+    initial = [views[0].get(p) for p in range(len(plan))]
+    engines = [
+        OuterEngine(eng_cfg, schedule, initial, seed=cfg.seed * 1000 + m)
+        for m in range(cfg.replicas)
+    ]
+    log.info("%s: %d fragments\n%s", cfg.algo, len(plan), plan.describe())
+    exchange = _InProcessExchange(views, engines, eng_cfg.aggregation, cfg.fail_prob, cfg.seed)
+    loop = StreamingLoop(schedule, exchange, tau=eng_cfg.tau, apply_wait_s=0.0)
+    global_model = functools.partial(_global_model, reps[0].model, plan, engines[0])
+    for step in range(cfg.steps):
+        step_losses = []
+        for rep, eng in zip(reps, engines, strict=True):
+            step_losses.append(rep.train_step(step))
+            eng.add_tokens(batcher.tokens_per_batch)
+        run.losses.append(sum(step_losses) / len(step_losses))
+        loop.after_step(step)
+        run.step(step, global_model, exchange.sent)
+    loop.finish()  # the last exchanges complete after the final step
+    if cfg.final_sync:
+        exchange.fail_prob = 0.0  # the final sync never fails: the model holds every token
+        loop.final_sync(cfg.steps - 1)
+    first = engines[0]
+    return _Trained(
+        eval_loss=evaluate(global_model(), run.val, run.device),
+        compute_s=sum(r.timer.compute_s for r in reps),
+        sent=exchange.sent,
+        fragments=len(plan),
+        applied=sum(first.stats(p).applied for p in range(len(plan))),
+        skipped=sum(first.stats(p).skipped for p in range(len(plan))),
+        digests=[_digest(e) for e in engines],
+    )
+
+
+def _global_model(
+    model: torch.nn.Module, plan: FragmentPlan, engine: OuterEngine
+) -> torch.nn.Module:
+    """A copy of ``model`` holding ``engine``'s global parameters (what is evaluated)."""
+    m = copy.deepcopy(model)
+    views = FragmentViews(m, plan)
+    for p in range(len(plan)):
+        views.set(p, engine.global_params(p))
+    return m
+
+
+class _InProcessExchange:
+    """The simulator's :class:`~atoll.protocol.streaming.Exchange`: every replica's engine
+    in one process. A round is the group of all M replicas, reduced by
+    :func:`~atoll.protocol.engine.average_requests`; with ``fail_prob`` its exchange
+    breaks (all members skip it), drawn from ``random.Random(seed)``, once per round."""
+
+    def __init__(
+        self,
+        views: list[FragmentViews],
+        engines: list[OuterEngine],
+        aggregation: str,
+        fail_prob: float,
+        seed: int,
+    ) -> None:
+        self.views = views
+        self.engines = engines
+        self.codec = engines[0].codec
+        self.aggregation = aggregation
+        self.fail_prob = fail_prob
+        self.faults = random.Random(seed)
+        self.sent = 0
+        """bytes per replica so far; a failed round counts as sent in full (an upper bound)"""
+        self._requests: dict[int, list[SyncRequest]] = {}
+
+    def start(self, fragment: int, step: int, tokens: int) -> None:
+        self._requests[fragment] = [
+            eng.begin(fragment, view.get(fragment), step)
+            for view, eng in zip(self.views, self.engines, strict=True)
+        ]
+
+    def in_flight(self, fragment: int) -> bool:
+        return fragment in self._requests
+
+    def poll(self) -> list[SyncOutcome]:
+        return []  # every round is finished when it is awaited
+
+    def wait(self, fragment: int, timeout_s: float) -> SyncOutcome:
+        requests = self._requests.pop(fragment)
+        averaged, nbytes = average_requests(requests, self.codec, self.aggregation)
+        self.sent += nbytes
+        step, round_ = requests[0].step, requests[0].round
+        if self.fail_prob and self.faults.random() < self.fail_prob:
+            for eng in self.engines:  # the exchange broke: every member skips, none applies
+                eng.skip(fragment, "injected fault")
+            return SyncOutcome(fragment, step, False, round_, "injected fault")
+        for eng in self.engines:
+            eng.deliver(fragment, averaged, round_)
+        return SyncOutcome(fragment, step, True, round_)
+
+    def merge(self, fragment: int) -> None:
+        for view, eng in zip(self.views, self.engines, strict=True):
+            view.set(fragment, eng.merge(fragment, view.get(fragment)))

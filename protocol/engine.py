@@ -57,6 +57,7 @@ __all__ = [
     "OuterEngine",
     "SyncRequest",
     "average_requests",
+    "merge",
 ]
 
 log = logging.getLogger(__name__)
@@ -247,13 +248,8 @@ class OuterEngine:
         frag.stats.last_skip_reason = reason
 
     def merge(self, p: int, local: np.ndarray) -> np.ndarray:
-        """The new local copy after a delivered round: α·local + (1−α)·global."""
-        g = self._frags[p].global_params
-        a = np.float32(self.config.alpha)
-        if a == 0:
-            return g.copy()
-        out: np.ndarray = a * np.asarray(local, dtype=np.float32).reshape(-1) + (1 - a) * g
-        return out
+        """The new local copy after a delivered round: α·local + (1−α)·global (:func:`merge`)."""
+        return merge(local, self._frags[p].global_params, self.config.alpha)
 
     # -- state transfer (rebase) -----------------------------------------------------------
     def export_fragment(self, p: int, step: int = 0) -> FragmentState:
@@ -374,6 +370,21 @@ class OuterEngine:
             )
         self._frags = restored  # all or nothing: nothing changed if any check failed
         self._tokens = tokens
+
+
+def merge(local: np.ndarray, global_: np.ndarray, alpha: float) -> np.ndarray:
+    """A peer's new local copy of a fragment after an applied round: α·local + (1−α)·global.
+
+    float32 arithmetic, flat result; with α = 0 a copy of the global copy (DiLoCo). The
+    one implementation: :meth:`OuterEngine.merge` and the node's trainer (whose global
+    copy comes from the network process) both call it.
+    """
+    g = np.asarray(global_, dtype=np.float32).reshape(-1)
+    a = np.float32(alpha)
+    if a == 0:
+        return g.copy()
+    out: np.ndarray = a * np.asarray(local, dtype=np.float32).reshape(-1) + (1 - a) * g
+    return out
 
 
 def average_requests(

@@ -31,13 +31,14 @@ handed to the trainer (by :meth:`~NetworkBridge.wait` or :meth:`~NetworkBridge.p
 ``local(p)`` and ``global_(p)`` belong to the network process: the trainer must neither
 write them nor read ``global_(p)`` (:meth:`NetworkBridge.in_flight` says when). After an
 outcome with ``applied=True``, ``global_(p)`` holds the new global copy and the trainer
-merges it into its parameters (:func:`merge`, the arithmetic of
-:meth:`OuterEngine.merge <atoll.protocol.engine.OuterEngine.merge>`).
+merges it into its parameters (:func:`atoll.protocol.engine.merge`).
 
 A wait that times out (``Timeouts.apply_wait_s``) returns ``None`` and the trainer goes
 on without the result; the round itself goes on in the network process and its outcome
 arrives later through :meth:`~NetworkBridge.poll` (a late applied round is still the
-swarm's new global copy and may be merged late).
+swarm's new global copy and may be merged late). The bridge's calls are what the trainer's
+:class:`~atoll.protocol.streaming.StreamingLoop` needs of an exchange (the daemon adds the
+copies to and from shared memory); :class:`SyncOutcome` is the loop's.
 
 Commands (msgpack arrays)::
 
@@ -91,6 +92,7 @@ from atoll.node.net.status import BadStatus, NodeStatus
 from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
 from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.schedule import Schedule
+from atoll.protocol.streaming import SyncOutcome
 
 __all__ = [
     "BridgeStats",
@@ -101,7 +103,6 @@ __all__ = [
     "SharedFragments",
     "SyncOutcome",
     "local_engine_worker",
-    "merge",
     "post_info",
     "post_status",
     "serve",
@@ -127,20 +128,6 @@ class NetworkProcessDied(NetworkProcessError):
     """The network process exited while the bridge was open."""
 
 
-@dataclass(frozen=True, slots=True)
-class SyncOutcome:
-    """How one started sync ended; ``applied`` means ``global_(fragment)`` holds the new copy."""
-
-    fragment: int
-    step: int
-    """the inner step given to :meth:`NetworkBridge.start_sync`"""
-    applied: bool
-    round: int
-    """the fragment's global version the Δ was taken against (-1 when unknown)"""
-    reason: str = ""
-    """why the round was not applied (empty when it was)"""
-
-
 @dataclass(slots=True)
 class BridgeStats:
     """Trainer-side counters of a bridge (never reset)."""
@@ -154,19 +141,6 @@ class BridgeStats:
     """waits that ran out: the trainer went on without the round's result"""
     wait_s: float = 0.0
     """seconds the trainer spent blocked in :meth:`NetworkBridge.wait`"""
-
-
-def merge(local: np.ndarray, global_: np.ndarray, alpha: float) -> np.ndarray:
-    """The trainer's new local copy after an applied round: α·local + (1−α)·global.
-
-    The same float32 arithmetic as :meth:`atoll.protocol.engine.OuterEngine.merge`.
-    """
-    g = np.asarray(global_, dtype=np.float32).reshape(-1)
-    a = np.float32(alpha)
-    if a == 0:
-        return g.copy()
-    out: np.ndarray = a * np.asarray(local, dtype=np.float32).reshape(-1) + (1 - a) * g
-    return out
 
 
 # -- shared memory --------------------------------------------------------------------------

@@ -25,11 +25,10 @@ from atoll.node.net.bridge import (
     NetworkStartError,
     SharedFragments,
     SyncOutcome,
-    merge,
 )
 from atoll.node.net.status import NodeStatus
 from atoll.node.train import InnerConfig, Replica
-from atoll.protocol.engine import EngineConfig, OuterEngine, average_requests
+from atoll.protocol.engine import EngineConfig, OuterEngine, average_requests, merge
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.schedule import Schedule
 
