@@ -201,6 +201,7 @@ def run_node(
                 "join_timeout_s": cfg.join_timeout_s,
                 "seed": manifest.seed,
                 "wait_peers": cfg.wait_peers,
+                "fault": cfg.fault,
             }
             with (
                 stop.installed(),
@@ -337,7 +338,8 @@ class _Run:
 
     start: int
     end: int
-    step: int = -1
+    step: int = field(init=False)
+    """the next step to train"""
     tokens: int = 0
     losses: list[float] = field(default_factory=list)
     jumped: int = 0

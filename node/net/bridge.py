@@ -103,7 +103,6 @@ __all__ = [
     "SharedFragments",
     "SyncOutcome",
     "local_engine_worker",
-    "post_info",
     "post_status",
     "serve",
 ]
@@ -759,10 +758,3 @@ def post_status(outbox: Connection, status: NodeStatus) -> None:
     """
     with contextlib.suppress(OSError):  # the trainer went away: serve() notices
         _send(outbox, ["status", status.to_wire()])
-
-
-def post_info(outbox: Connection, info: dict[str, Any]) -> None:
-    """Send part of the status: the fields ``info`` names update
-    :attr:`NetworkBridge.status` (the older form; :func:`post_status` replaces it)."""
-    with contextlib.suppress(OSError):  # the trainer went away: serve() notices
-        _send(outbox, ["info", info])
