@@ -31,11 +31,14 @@ from atoll.node.data import Batcher, Corpus, load_corpus
 from atoll.node.model import build, tensor_specs
 from atoll.node.settings import ALGOS, SimConfig
 from atoll.node.train import FragmentViews, Replica, evaluate, resolve_device
-from atoll.protocol.engine import OuterEngine, SyncRequest, average_requests
+from atoll.protocol import allreduce as ar
+from atoll.protocol.engine import OuterEngine, average_requests
+from atoll.protocol.errors import RoundAborted
 from atoll.protocol.fragments import Fragment, FragmentPlan, plan_fragments
 from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.streaming import StreamingLoop, SyncOutcome
+from atoll.protocol.sync import FragmentSync, SyncDone
 
 __all__ = ["ALGOS", "Progress", "SimConfig", "SimResult", "simulate"]
 
@@ -292,31 +295,38 @@ class _InProcessExchange:
         self.faults = random.Random(seed)
         self.sent = 0
         """bytes per replica so far; a failed round counts as sent in full (an upper bound)"""
-        self._requests: dict[int, list[SyncRequest]] = {}
+        self._syncs: dict[int, list[FragmentSync]] = {}
 
     def start(self, fragment: int, step: int, tokens: int) -> None:
-        self._requests[fragment] = [
-            eng.begin(fragment, view.get(fragment), step)
-            for view, eng in zip(self.views, self.engines, strict=True)
+        syncs = [
+            FragmentSync(eng, fragment, peer_id=f"replica-{m}", run_id="simulated")
+            for m, eng in enumerate(self.engines)
         ]
+        for sync, view in zip(syncs, self.views, strict=True):
+            sync.begin(view.get(fragment), step)
+        self._syncs[fragment] = syncs
 
     def in_flight(self, fragment: int) -> bool:
-        return fragment in self._requests
+        return fragment in self._syncs
 
     def poll(self) -> list[SyncOutcome]:
         return []  # every round is finished when it is awaited
 
     def wait(self, fragment: int, timeout_s: float) -> SyncOutcome:
-        requests = self._requests.pop(fragment)
+        syncs = self._syncs.pop(fragment)
+        requests = [sync.request for sync in syncs if sync.request is not None]
         averaged, nbytes = average_requests(requests, self.codec, self.aggregation)
         self.sent += nbytes
         step, round_ = requests[0].step, requests[0].round
+        result: ar.Done | ar.Failed = ar.Done(averaged)
         if self.fail_prob and self.faults.random() < self.fail_prob:
-            for eng in self.engines:  # the exchange broke: every member skips, none applies
-                eng.skip(fragment, "injected fault")
+            result = ar.Failed("injected fault")  # the exchange broke: nobody applies it
+        for sync in syncs:  # the group is every replica, formed without matchmaking
+            done = sync.reduced(result)
+            if isinstance(result, ar.Done) and not (isinstance(done, SyncDone) and done.applied):
+                raise RoundAborted(f"a replica refused the group's result: {done}")
+        if isinstance(result, ar.Failed):
             return SyncOutcome(fragment, step, False, round_, "injected fault")
-        for eng in self.engines:
-            eng.deliver(fragment, averaged, round_)
         return SyncOutcome(fragment, step, True, round_)
 
     def merge(self, fragment: int) -> None:

@@ -14,6 +14,10 @@ Map of the modules:
 - ``messages``   wire messages (msgpack, typed and size-checked) and length-prefixed frames
 - ``matchmaking`` who averages with whom: rank-ordered leaders, quorum, grace window
 - ``allreduce``  one atomic round of reduce-scatter + all-gather inside an agreed group
+- ``statesync``  the state a peer copies when it rebases, and which state the swarm follows
+- ``sync``       one fragment sync owned by one machine: rebase or group, commit or roll
+  back (the only caller of the engine's deliver, skip and import)
+- ``streaming``  the trainer-side loop: which fragment is due, apply at t+τ, merge
 
 Everything here works on flat float32 numpy vectors, so a bootstrap peer can import it
 without torch and the network process can run it on bytes it received.

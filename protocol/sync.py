@@ -191,7 +191,7 @@ class FragmentSync:
 
     @property
     def digest(self) -> str:
-        """The digest of the global copy Δ was taken against."""
+        """The digest of the global copy Δ was taken against (set by :meth:`plan`)."""
         return self._digest
 
     @property
@@ -210,7 +210,6 @@ class FragmentSync:
         self._expect("idle")
         self._step = int(step)
         self._request = self.engine.begin(self.fragment, local, step)
-        self._digest = self.engine.digest(self.fragment)
         self._phase = "declared"
         return self._request
 
@@ -223,6 +222,7 @@ class FragmentSync:
         request = self._request
         assert request is not None
         self._wall = wall_now
+        self._digest = self.engine.digest(self.fragment)
         rebase = self._rebase_plan(holdings)
         if rebase is not None:
             return rebase
@@ -233,7 +233,6 @@ class FragmentSync:
         swarm's state when ``holdings`` show it is not this peer's, else done."""
         self._expect("idle")
         self._step = int(step)
-        self._digest = self.engine.digest(self.fragment)
         self._phase = "declared"
         self._after_round = True  # nothing to fall back to when no holder serves it
         rebase = self._rebase_plan(holdings)
@@ -377,6 +376,8 @@ class FragmentSync:
         """A FetchState from the first holder of the leading state when this peer does not
         hold it (:func:`~atoll.protocol.statesync.should_rebase`), else None."""
         others = [h for h in holdings if h[0] != self.peer_id]
+        if not others:  # nobody to follow (and no hash of the state needed to know it)
+            return None
         mine = (self.engine.version(self.fragment), self.engine.digest(self.fragment))
         if not ss.should_rebase(self.peer_id, mine, others):
             return None

@@ -89,10 +89,12 @@ import trio
 
 from atoll.node.net.heap import keep_freed_memory
 from atoll.node.net.status import BadStatus, NodeStatus
+from atoll.protocol import allreduce as ar
 from atoll.protocol.engine import EngineConfig, OuterEngine, SyncRequest, average_requests
 from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.streaming import SyncOutcome
+from atoll.protocol.sync import FragmentSync, SyncDone
 
 __all__ = [
     "BridgeStats",
@@ -690,17 +692,20 @@ async def local_engine_worker(
     load_rng = np.random.default_rng(seed + 1)
     status = NodeStatus(peer_id="local", versions=tuple(0 for _ in range(len(shared))))
 
-    def begin(p: int, step: int, tokens: int) -> SyncRequest:
+    def begin(sync: FragmentSync, step: int, tokens: int) -> SyncRequest:
         nonlocal seen_tokens
         if tokens > seen_tokens:
             engine.add_tokens(tokens - seen_tokens)
             seen_tokens = tokens
-        return engine.begin(p, shared.local(p), step)
+        return sync.begin(shared.local(sync.fragment), step)
 
-    def finish(p: int, request: SyncRequest) -> None:
+    def finish(sync: FragmentSync, request: SyncRequest) -> SyncDone:
         averaged, _ = average_requests([request], engine.codec, config.aggregation)
-        engine.deliver(p, averaged, request.round)
-        shared.global_(p)[:] = engine.global_params(p)
+        done = sync.reduced(ar.Done(averaged))  # a group of one, formed without matchmaking
+        assert isinstance(done, SyncDone)
+        if done.applied:
+            shared.global_(sync.fragment)[:] = engine.global_params(sync.fragment)
+        return done
 
     async def load() -> None:
         x = load_rng.standard_normal(load_numel, dtype=np.float32)
@@ -723,8 +728,9 @@ async def local_engine_worker(
 
     async def run_round(p: int, step: int, tokens: int) -> SyncOutcome:
         nonlocal rounds
+        sync = FragmentSync(engine, p, peer_id="local", run_id="local")
         async with lock:
-            request = await trio.to_thread.run_sync(begin, p, step, tokens)
+            request = await trio.to_thread.run_sync(begin, sync, step, tokens)
         rounds += 1
         try:
             if delay_s > 0:
@@ -732,17 +738,17 @@ async def local_engine_worker(
             if load_s > 0:
                 await load()
             if fail_every and rounds % fail_every == 0:
-                engine.skip(p, "injected fault")
+                sync.reduced(ar.Failed("injected fault"))
                 return SyncOutcome(p, step, False, request.round, "injected fault")
             async with lock:
-                await trio.to_thread.run_sync(finish, p, request)
-        except AtollError as e:
-            engine.skip(p, f"{type(e).__name__}: {e}")
-            return SyncOutcome(p, step, False, request.round, f"{type(e).__name__}: {e}")
-        except BaseException:
-            engine.skip(p, "cancelled")
+                done = await trio.to_thread.run_sync(finish, sync, request)
+        except BaseException as e:
+            reason = "cancelled" if isinstance(e, trio.Cancelled) else f"{type(e).__name__}: {e}"
+            sync.abort(reason)
+            if isinstance(e, AtollError):
+                return SyncOutcome(p, step, False, request.round, f"{type(e).__name__}: {e}")
             raise
-        return SyncOutcome(p, step, True, request.round)
+        return SyncOutcome(p, step, done.applied, request.round, done.reason)
 
     async def handle(p: int, step: int, tokens: int) -> SyncOutcome:
         return report(await run_round(p, step, tokens))

@@ -27,6 +27,7 @@ clock. It also answers peers' state requests (:meth:`Syncer.serve_request`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -151,7 +152,9 @@ class Syncer:
         report = SyncReport(fs.SyncDone(p, step, False, -1, "", "none"), 0.0)
         try:
             await self.engine_call(machine.begin, local, step)
-            action = machine.plan(self.peers.holdings(p), wall_now=self.wall())
+            holdings = self.peers.holdings(p)
+            plan = functools.partial(machine.plan, holdings, wall_now=self.wall())
+            action = await self.engine_call(plan)
             report.done = await self._drive(machine, action, report)
         except BaseException as e:
             await self._abort(machine, e)

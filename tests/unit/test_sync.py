@@ -235,3 +235,29 @@ def test_a_state_that_does_not_fit_is_one_holder_failing() -> None:
 def test_holdings_of_skips_rows_without_the_fragment() -> None:
     rows = [("a", (3, 4), ("d3", "d4")), ("b", (3,), ("d3",)), ("c", (1, 2), ("x", ""))]
     assert fs.holdings_of(1, rows) == [("a", 4, "d4")]
+
+
+def test_only_the_sync_machine_applies_or_skips_a_round() -> None:
+    """One owner: outside the engine itself, no code but protocol/sync.py calls the
+    engine's deliver, skip or import_fragment (the simulator, the loopback worker and the
+    swarm all go through FragmentSync)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    allowed = {root / "protocol" / "sync.py", root / "protocol" / "engine.py"}
+    callers = []
+    for folder in ("node", "protocol", "dht", "security", "bench"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("deliver", "skip", "import_fragment")
+                    and not (
+                        isinstance(node.func.value, ast.Name) and node.func.value.id == "pytest"
+                    )
+                    and path not in allowed
+                ):
+                    callers.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not callers, f"engine deliver/skip/import called outside protocol/sync.py: {callers}"
