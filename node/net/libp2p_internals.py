@@ -18,11 +18,12 @@ names the internal that moved and the atoll function that needs it.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import multiaddr
 import trio
 from libp2p.abc import IHost, IMuxedConn, INetConn, INetworkService
+
+from atoll.dht.libp2p_internals import Internal
 
 __all__ = [
     "INTERNALS",
@@ -35,20 +36,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class Internal(NamedTuple):
-    """One py-libp2p internal atoll relies on, as the shape test checks it."""
-
-    path: str
-    """``module:Qual.name`` (a bare ``module`` for a module)"""
-    kind: str
-    """module, class, function, method, async method, property, instance attribute,
-    int constant or str constant"""
-    params: tuple[str, ...] | None = None
-    """the parameter names in order (``self`` included), where the signature matters"""
-    used_by: str = ""
-    """the atoll code that relies on it"""
 
 
 _SWARM = "libp2p.network.swarm"

@@ -122,6 +122,26 @@ async def _node(
     return node
 
 
+async def _swarm(
+    net: MemoryNetwork, services: trio.Nursery, n: int, *, numel: int = N, codec: str = "e3m0"
+) -> tuple[Directory, list[Node]]:
+    """``n`` nodes ``peer-0``... holding the same zero initial copy of ``numel`` values."""
+    directory = Directory(net)
+    init = np.zeros(numel, np.float32)
+    nodes = [
+        await _node(net, directory, f"peer-{i}", services, initial=init, codec=codec)
+        for i in range(n)
+    ]
+    return directory, nodes
+
+
+async def _sync_all(nodes: list[Node], locals_: list[np.ndarray], step: int) -> None:
+    """Every node's sync at once; returns when all have ended."""
+    async with trio.open_nursery() as syncs:
+        for node, local in zip(nodes, locals_, strict=True):
+            syncs.start_soon(_sync, node, local, step)
+
+
 def _locals(n: int, seed: int = 0, numel: int = N) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
@@ -155,15 +175,9 @@ def _check_atomic(nodes: list[Node], start: tuple[int, str]) -> list[Node]:
 def test_every_node_commits_the_same_bytes(n: int) -> None:
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
-            directory = Directory(net)
-            init = np.zeros(N, np.float32)
-            nodes = [
-                await _node(net, directory, f"peer-{i}", services, initial=init) for i in range(n)
-            ]
+            _, nodes = await _swarm(net, services, n)
             start = nodes[0].state()
-            async with trio.open_nursery() as syncs:
-                for node, local in zip(nodes, _locals(n), strict=True):
-                    syncs.start_soon(_sync, node, local, 3)
+            await _sync_all(nodes, _locals(n), 3)
             committed = _check_atomic(nodes, start)
             assert len(committed) == n
             for node in nodes:
@@ -179,19 +193,19 @@ def test_every_node_commits_the_same_bytes(n: int) -> None:
 def test_a_node_behind_rebases_and_a_holder_killed_mid_transfer_is_passed_over() -> None:
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
-            directory = Directory(net)
             big = ss.CHUNK_BYTES // 8 + 1000  # a state of two chunks: it can die between them
-            init = np.zeros(big, np.float32)
-            nodes = [
-                await _node(net, directory, f"peer-{i}", services, initial=init, codec="fp32")
-                for i in range(3)
-            ]
-            async with trio.open_nursery() as syncs:  # a first round among the three
-                for node, local in zip(nodes, _locals(3, numel=big), strict=True):
-                    syncs.start_soon(_sync, node, local, 3)
+            directory, nodes = await _swarm(net, services, 3, numel=big, codec="fp32")
+            await _sync_all(nodes, _locals(3, numel=big), 3)  # a first round among the three
             ahead = nodes[0].state()
             assert ahead[0] == 1 and all(n.state() == ahead for n in nodes)
-            late = await _node(net, directory, "peer-late", services, initial=init, codec="fp32")
+            late = await _node(
+                net,
+                directory,
+                "peer-late",
+                services,
+                initial=np.zeros(big, np.float32),
+                codec="fp32",
+            )
 
             chunks_from: dict[str, int] = {}
 
@@ -223,11 +237,7 @@ def test_a_node_behind_rebases_and_a_holder_killed_mid_transfer_is_passed_over()
 def test_a_node_killed_mid_sync_leaves_the_survivors_atomic(phase: str) -> None:
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
-            directory = Directory(net)
-            init = np.zeros(N, np.float32)
-            nodes = [
-                await _node(net, directory, f"peer-{i}", services, initial=init) for i in range(5)
-            ]
+            _, nodes = await _swarm(net, services, 5)
             start = nodes[0].state()
             victim = nodes[2]
 
@@ -242,9 +252,7 @@ def test_a_node_killed_mid_sync_leaves_the_survivors_atomic(phase: str) -> None:
                     victim.scope.cancel()
 
             net.on_deliver = kill
-            async with trio.open_nursery() as syncs:
-                for node, local in zip(nodes, _locals(5), strict=True):
-                    syncs.start_soon(_sync, node, local, 3)
+            await _sync_all(nodes, _locals(5), 3)
             assert net.is_dead(victim.peer), "the fault never fired"
             survivors = [n for n in nodes if n is not victim]
             committed = _check_atomic(survivors, start)
@@ -274,16 +282,9 @@ def test_delayed_reordered_duplicated_messages_still_commit_the_same_bytes() -> 
             ) as net,
             trio.open_nursery() as services,
         ):
-            directory = Directory(net)
-            init = np.zeros(N, np.float32)
-            nodes = [
-                await _node(net, directory, f"peer-{i}", services, initial=init, codec="fp32")
-                for i in range(6)
-            ]
+            _, nodes = await _swarm(net, services, 6, codec="fp32")
             start = nodes[0].state()
-            async with trio.open_nursery() as syncs:
-                for node, local in zip(nodes, _locals(6, seed=4), strict=True):
-                    syncs.start_soon(_sync, node, local, 3)
+            await _sync_all(nodes, _locals(6, seed=4), 3)
             assert net.duplicated > 0
             assert len(_check_atomic(nodes, start)) == 6
             services.cancel_scope.cancel()
@@ -294,20 +295,14 @@ def test_delayed_reordered_duplicated_messages_still_commit_the_same_bytes() -> 
 def test_two_groups_in_one_slot_each_commit_their_own_average_then_converge() -> None:
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
-            directory = Directory(net)
-            init = np.zeros(N, np.float32)
-            nodes = [
-                await _node(net, directory, f"peer-{i}", services, initial=init) for i in range(4)
-            ]
+            _, nodes = await _swarm(net, services, 4)
             halves = [{"peer-0", "peer-1"}, {"peer-2", "peer-3"}]
             for node in nodes:  # each half sees only its own half's declarations and records
                 half = next(h for h in halves if node.peer in h)
                 node.syncer.board = net.board.view(half)
                 node.syncer.peers.group = GroupSettings(min_quorum=2, max_size=2, grace_s=0.0)
             start = nodes[0].state()
-            async with trio.open_nursery() as syncs:
-                for node, local in zip(nodes, _locals(4), strict=True):
-                    syncs.start_soon(_sync, node, local, 3)
+            await _sync_all(nodes, _locals(4), 3)
             states = {n.peer: n.state() for n in nodes}
             assert states["peer-0"] == states["peer-1"] != start
             assert states["peer-2"] == states["peer-3"] != start
@@ -315,9 +310,7 @@ def test_two_groups_in_one_slot_each_commit_their_own_average_then_converge() ->
             # the next sync: every node sees every record; one rule picks one copy
             for node in nodes:
                 node.syncer.board = net.board
-            async with trio.open_nursery() as syncs:
-                for node, local in zip(nodes, _locals(4, seed=1), strict=True):
-                    syncs.start_soon(_sync, node, local, 7)
+            await _sync_all(nodes, _locals(4, seed=1), 7)
             lead = ss.leading_state([(p, v, d) for p, (v, d) in states.items()])
             losers = [n for n in nodes if states[n.peer] != lead]
             for n in losers:
@@ -331,11 +324,7 @@ def test_two_groups_in_one_slot_each_commit_their_own_average_then_converge() ->
 def test_a_cancelled_sync_rolls_back_exactly_once() -> None:
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
-            directory = Directory(net)
-            init = np.zeros(N, np.float32)
-            nodes = [
-                await _node(net, directory, f"peer-{i}", services, initial=init) for i in range(2)
-            ]
+            _, nodes = await _swarm(net, services, 2)
             net.silence("peer-1")  # the other node never answers: matchmaking waits
             with trio.move_on_after(1.0):
                 await _sync(nodes[0], _locals(1)[0], 3)
