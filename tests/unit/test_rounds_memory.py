@@ -102,16 +102,20 @@ def test_a_peer_killed_after_joining_before_its_group_formed_never_commits_with_
         (victim,) = killed
         assert isinstance(results[victim].found, mm.Alone)  # its GroupFormed never came
         survivors = _survivors(results, {victim})
-        (group,) = {r.members for r in survivors}
-        if victim in group:
-            for r in survivors:
+        # one leader's list at most (a survivor that joined after it closed ends Alone,
+        # which trio's scheduling order makes rare but possible)
+        assert len({r.members for r in survivors if r.members}) <= 1
+        for r in survivors:
+            if victim in r.members:
                 assert isinstance(r.outcome, ar.Failed), r.outcome
                 assert victim in r.outcome.reason
                 assert r.ended_at < setup.matchmaking_s  # refused: no deadline waited out
-        else:
-            assert len(group) == 3
-            _check_consistent(h, setup, peers, results)
-            assert all(r.done for r in survivors)
+            elif r.members:
+                assert r.done and len(r.members) == 3, r
+            else:
+                assert isinstance(r.found, mm.Alone) and r.outcome is None, r
+        assert any(r.members for r in survivors)  # the others did form a group
+        _check_consistent(h, setup, peers, results)
 
     h.run_mock(main)
 
