@@ -378,7 +378,10 @@ class AtollDHT:
                     yield dht
                 finally:
                     kad_host.on_dht_stream = None
-                    kad_host.remove_stream_handler(LIBRARY_PROTOCOL)
+                    # replaced, not removed: a stream still being negotiated looks its
+                    # handler up after an await, and a removed one raised KeyError out of
+                    # the library's multistream code (seen crashing a stopping node)
+                    kad_host.set_stream_handler(LIBRARY_PROTOCOL, refuse_stream)
                     nursery.cancel_scope.cancel()
 
     # -- what it is -------------------------------------------------------------------------
@@ -933,3 +936,14 @@ def _describe(error: BaseException) -> str:
     text = str(error)
     name = type(error).__name__
     return f"{name}: {text}" if text else name
+
+
+async def refuse_stream(stream: INetStream) -> None:
+    """The handler of a protocol this host no longer serves: reset the stream (shielded,
+    bounded; errors of a connection already gone are ignored)."""
+    with trio.CancelScope(shield=True) as scope:
+        scope.deadline = trio.current_time() + 5.0
+        try:
+            await stream.reset()
+        except Exception as e:
+            logger.debug("resetting a refused stream failed: %s", e)

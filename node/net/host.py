@@ -739,7 +739,9 @@ async def open_host(
             try:
                 yield atoll
             finally:
-                host.remove_stream_handler(ATOLL_PROTOCOL)
+                # replaced, not removed: a stream still being negotiated looks its handler
+                # up after an await, and a removed one raises KeyError in py-libp2p
+                host.set_stream_handler(ATOLL_PROTOCOL, _reset)
                 nursery.cancel_scope.cancel()
                 await _close_host(host)
 
