@@ -3,7 +3,7 @@
 :func:`run_peers` runs every peer's :func:`~atoll.node.net.rounds.run_matchmaking` then
 (when it formed a group) :func:`~atoll.node.net.rounds.run_allreduce` concurrently on a
 :class:`~atoll.node.net.memory.MemoryNetwork`, each peer with its own
-:class:`~atoll.node.net.rounds.Mailbox`, declared the way ``node/net/swarm.py``'s ``_sync``
+:class:`~atoll.node.net.rounds.Mailbox`, declared the way :class:`~atoll.protocol.sync.FragmentSync`
 declares (the slot is the fragment's version), and returns what each peer ended with.
 Call it inside ``trio.run(..., clock=trio.testing.MockClock(autojump_threshold=0))``
 (:func:`run_mock`).
