@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -83,8 +83,6 @@ class SyncReport:
     seconds: float
     traffic: RoundTraffic | None = None
     """set when an all-reduce ran"""
-    declarations: list[fs.Holding] = field(default_factory=list)
-    """what the slot's declarations showed (peer, version, digest)"""
 
 
 class Syncer:
@@ -216,8 +214,6 @@ class Syncer:
                 self._log_slot(action, machine, seen)
             else:
                 action = await self._fetch(machine, action)
-            if report is not None:
-                report.declarations = [(peer, v, d) for peer, (v, d) in seen.items()]
 
     async def _find_group(
         self, me: mm.Declaration, seen: dict[str, tuple[int, str]]
