@@ -56,6 +56,18 @@ leader formed before that news arrived, its list names a peer that will not show
 that group's all-reduce fails as a whole (:mod:`atoll.protocol.allreduce` commits or rolls
 back atomically), which costs one round and never gives a wrong result.
 
+Silent peers. A peer whose link dropped without a goodbye answers nothing, and the
+transport cannot tell: the bytes of a small request sit in a kernel buffer. With
+``answer_s`` set (the driver sets it), a peer does not wait for such a leader until its
+timeout. A leader re-sends its JoinAccept to every accepted follower each
+``answer_s / 2`` while it collects members (a keepalive). A peer whose JoinRequest got no
+answer within ``1.5 * answer_s`` (the margin covers a request held by a peer that waits
+for its own answer), or a follower that heard nothing from its leader for ``answer_s``,
+drops that leader for the slot: it tells it so (a Disband, in case it is only slow) and
+asks the next-ranked candidate, or leads. If the dropped leader was alive after all and
+forms a list naming the follower anyway, that group's all-reduce fails as a whole, as for
+a lost peer below: one round, never a wrong result.
+
 Termination. Every wait is bounded by ``timeout`` (:attr:`Timeouts.matchmaking_s`): at
 ``now >= start + timeout`` a leader with a quorum forms, a leader without one disbands
 its followers, and everyone else gives up: :class:`Alone` means "train on, retry at the
@@ -364,7 +376,13 @@ class Matchmaker:
     """
 
     def __init__(
-        self, me: Declaration, settings: GroupSettings, *, now: float, timeout: float
+        self,
+        me: Declaration,
+        settings: GroupSettings,
+        *,
+        now: float,
+        timeout: float,
+        answer_s: float | None = None,
     ) -> None:
         problem = _declaration_problem(me)
         if problem is not None:
@@ -375,6 +393,10 @@ class Matchmaker:
             raise ConfigError(f"now must be finite, not {now!r}")
         if not _is_num(timeout) or timeout <= 0:
             raise ConfigError(f"timeout must be finite and > 0, not {timeout!r}")
+        if answer_s is not None and (not _is_num(answer_s) or answer_s <= 0):
+            raise ConfigError(f"answer_s must be finite and > 0, not {answer_s!r}")
+        self.answer_s = None if answer_s is None else float(answer_s)
+        """how long a silent leader is waited for (None: until the timeout)"""
         self.me = me
         self.settings = settings
         self._id = me.peer_id
@@ -397,6 +419,11 @@ class Matchmaker:
         self._redirects = 0
         self._members: tuple[str, ...] | None = None
         self._leader: str | None = None
+        # when we last heard from the target (or asked it); the leader's next keepalive
+        self._heard_at = float(now)
+        self._keepalive_at = math.inf
+        self.silent: list[str] = []
+        """leaders dropped for silence in this slot, in order (for the driver's liveness)"""
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -439,9 +466,24 @@ class Matchmaker:
             return None
         if self._state == "searching" and self._target is None:
             return self._start
-        if self._state == "leading" and self._quorum_at is not None:
-            return min(self._deadline, self._quorum_at + self.settings.grace_s)
-        return self._deadline
+        at = self._deadline
+        if self._state == "leading":
+            if self._quorum_at is not None:
+                at = min(at, self._quorum_at + self.settings.grace_s)
+            if self._accepted:
+                at = min(at, self._keepalive_at)
+        silent_at = self._silent_at()
+        if silent_at is not None:
+            at = min(at, silent_at)
+        return at
+
+    def _silent_at(self) -> float | None:
+        """When the target counts as silent (None: no target, or no bound set)."""
+        if self.answer_s is None or self._target is None:
+            return None
+        if self._state == "following":
+            return self._heard_at + self.answer_s
+        return self._heard_at + 1.5 * self.answer_s
 
     # -- events ----------------------------------------------------------------------------
     def observe(self, declarations: Iterable[Declaration], *, now: float) -> list[Action]:
@@ -462,6 +504,22 @@ class Matchmaker:
         out.extend(self._release_held(now))
         return out
 
+    def resize(self, settings: GroupSettings, *, now: float) -> list[Action]:
+        """Take new group settings mid-slot (the peers that answer changed: a silent one
+        no longer counts toward the quorum, say). A leader forms at once when its group
+        now holds the most members, or holds the quorum and its grace is over; the grace
+        window starts when the quorum is first reached."""
+        if not isinstance(settings, GroupSettings):
+            raise ConfigError(f"settings must be a GroupSettings, not {type(settings).__name__}")
+        out = self.tick(now)
+        if self._state in ("formed", "alone") or settings == self.settings:
+            return out
+        self.settings = settings
+        if self._state == "leading":
+            self._count_quorum(now)
+            out.extend(self._maybe_form(now))
+        return out
+
     def receive(self, msg: Message, *, now: float) -> list[Action]:
         """Handle a message from a peer; messages of another key or from itself are ignored."""
         out = self.tick(now)
@@ -476,7 +534,7 @@ class Matchmaker:
                 out.append(self._disband(msg.sender, f"{self._id} is {self._state} already"))
             return out
         elif isinstance(msg, JoinAccept):
-            out.extend(self._on_accept(msg))
+            out.extend(self._on_accept(msg, now))
         elif isinstance(msg, Redirect):
             out.extend(self._on_redirect(msg, now))
         elif isinstance(msg, GroupFormed):
@@ -495,9 +553,34 @@ class Matchmaker:
             return []
         if now >= self._deadline:
             return self._expire()
-        out = self._decide(now)
+        out: list[Action] = []
+        silent_at = self._silent_at()
+        if silent_at is not None and now >= silent_at and self._target is not None:
+            out.extend(self._drop_silent(self._target, now))
+        if self._state == "leading" and self._accepted and now >= self._keepalive_at:
+            self._keepalive_at = now + self._keepalive_s()
+            m = self.me
+            out.extend(
+                Send(f, JoinAccept(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest))
+                for f in self._accepted
+            )
+        out.extend(self._decide(now))
         out.extend(self._release_held(now))
         return out
+
+    def _keepalive_s(self) -> float:
+        return math.inf if self.answer_s is None else self.answer_s / 2
+
+    def _drop_silent(self, leader: str, now: float) -> list[Action]:
+        """``leader`` did not answer within ``answer_s``: out of the slot for us; tell it
+        (it may only be slow) and look again."""
+        waited = now - self._heard_at
+        self.silent.append(leader)
+        self._excluded.add(leader)
+        self._held.pop(leader, None)
+        self._target = None
+        self._state = "searching"
+        return [self._disband(leader, f"no answer from you in {waited:.1f} s")]
 
     def peer_lost(self, peer: str, *, now: float) -> list[Action]:
         """The transport lost ``peer``: never ask it again, and drop what depended on it.
@@ -553,6 +636,7 @@ class Matchmaker:
             self._quorum_at = None
         self._state = "searching"
         self._target = best
+        self._heard_at = now
         m = self.me
         out.append(
             Send(
@@ -651,6 +735,8 @@ class Matchmaker:
         self._ranks.setdefault(sender, r)
         if self._state == "leading":
             if sender not in self._accepted:
+                if not self._accepted:
+                    self._keepalive_at = now + self._keepalive_s()
                 self._accepted[sender] = weight
                 self._count_quorum(now)
             m = self.me
@@ -681,10 +767,11 @@ class Matchmaker:
             out.extend(self._on_join(peer, weight, now))
         return out
 
-    def _on_accept(self, msg: JoinAccept) -> list[Action]:
+    def _on_accept(self, msg: JoinAccept, now: float) -> list[Action]:
         if msg.sender == self._target:
             if self._state == "searching":
                 self._state = "following"
+            self._heard_at = now  # also a leader's keepalive
             return []
         # a late accept from a peer we no longer wait for: make it drop us
         return [self._disband(msg.sender, f"{self._id} is not waiting for you any more")]

@@ -30,6 +30,14 @@ Faults, all deterministic (one ``random.Random(seed)`` draws every jitter and du
 - :meth:`MemoryNetwork.silence`: a peer that stops answering. Messages to and from it
   vanish, in flight or not, and sends never fail.
 - :meth:`MemoryNetwork.revive` undoes either (a revived peer reads a fresh inbox).
+- :meth:`MemoryNetwork.partition` splits the peers into sides: messages between sides
+  vanish, as for a silenced peer; :meth:`MemoryNetwork.heal` joins them again.
+- :meth:`MemoryNetwork.board_of` is a peer's own view of the ready board, as a DHT of a
+  small swarm gives it: a record it announces reaches the peers it can reach at that
+  moment (it stays where it reached after a split), it sees only records that reached
+  it, and each announcement and read tells its :class:`~atoll.protocol.liveness.Liveness`
+  which peers answered (reachable) and which did not (silenced, or across a split), as
+  the DHT's requests to every closest peer do.
 - :attr:`~MemoryNetwork.delay_s`, :attr:`~MemoryNetwork.link_delay_s` (per directed link),
   :attr:`~MemoryNetwork.reorder_s` and :attr:`~MemoryNetwork.duplicate` (the probability
   that a message is delivered twice): plain attributes, changeable at any time.
@@ -60,6 +68,7 @@ import trio
 from atoll.dht.records import ReadyRecord
 from atoll.node.net.seam import ReadyBoard, RoundTransport
 from atoll.protocol.errors import ConfigError, ExchangeTimeout, PeerUnavailable
+from atoll.protocol.liveness import Liveness
 from atoll.protocol.messages import decode_message, encode_message
 
 __all__ = ["MemoryBoard", "MemoryNetwork", "MemoryTransport"]
@@ -93,29 +102,62 @@ class MemoryBoard:
         *,
         visible: Collection[str] | None = None,
         _records: dict[_Slot, dict[str, ReadyRecord]] | None = None,
+        _reached: dict[tuple[_Slot, str], frozenset[str]] | None = None,
+        _viewer: tuple[MemoryNetwork, str, Liveness | None] | None = None,
     ) -> None:
         self.run_id = run_id
         self.wall = wall
         self.visible = None if visible is None else frozenset(visible)
         self._records: dict[_Slot, dict[str, ReadyRecord]] = {} if _records is None else _records
+        # which peers an announcement reached (board_of views only)
+        self._reached: dict[tuple[_Slot, str], frozenset[str]] = (
+            {} if _reached is None else _reached
+        )
+        self._viewer = _viewer
 
     def view(self, visible: Collection[str]) -> MemoryBoard:
         """A board over the same records that shows only those of the peers ``visible``
         (announcements through it are stored for everyone)."""
-        return MemoryBoard(self.run_id, self.wall, visible=visible, _records=self._records)
+        return MemoryBoard(
+            self.run_id, self.wall, visible=visible, _records=self._records, _reached=self._reached
+        )
+
+    def _probe(self) -> frozenset[str] | None:
+        """A board_of view: the peers its owner reaches now, told to its liveness."""
+        if self._viewer is None:
+            return None
+        net, me, liveness = self._viewer
+        now = trio.current_time()
+        reached = {me}
+        for peer in net.peers:
+            if peer == me:
+                continue
+            if net.reaches(me, peer):
+                reached.add(peer)
+                if liveness is not None:
+                    liveness.heard(peer, now)
+            elif liveness is not None and not liveness.suspected(peer, now):
+                liveness.failed(peer, now, "no answer to a DHT request")
+        return frozenset(reached)
 
     async def announce_ready(self, record: ReadyRecord, /) -> None:
         """Store ``record`` until its ``expires_at`` (replacing the peer's older one)."""
         await trio.lowlevel.checkpoint()
         if not isinstance(record, ReadyRecord):
             raise ConfigError(f"announce_ready takes a ReadyRecord, not {type(record).__name__}")
-        self._records.setdefault((record.run_id, record.fragment, record.slot), {})[
-            record.peer_id
-        ] = record
+        slot = (record.run_id, record.fragment, record.slot)
+        self._records.setdefault(slot, {})[record.peer_id] = record
+        reached = self._probe()
+        key = (slot, record.peer_id)
+        if reached is None:
+            self._reached.pop(key, None)
+        else:
+            self._reached[key] = reached
 
     async def find_ready(self, fragment: int, slot: int, /) -> list[ReadyRecord]:
         """The unexpired ready records of this run's ``fragment`` and ``slot`` it shows."""
         await trio.lowlevel.checkpoint()
+        self._probe()
         return self.records(fragment, slot)
 
     def records(self, fragment: int, slot: int) -> list[ReadyRecord]:
@@ -127,7 +169,13 @@ class MemoryBoard:
             del held[peer]
         if not held:
             self._records.pop(key, None)
-        return [held[p] for p in sorted(held) if self.visible is None or p in self.visible]
+        viewer = None if self._viewer is None else self._viewer[1]
+        return [
+            held[p]
+            for p in sorted(held)
+            if (self.visible is None or p in self.visible)
+            and (viewer is None or viewer in self._reached.get((key, p), (viewer,)))
+        ]
 
 
 # --------------------------------------------------------------------------------------
@@ -275,6 +323,7 @@ class MemoryNetwork:
         self._transports: dict[str, MemoryTransport] = {}
         self._dead: set[str] = set()
         self._silent: set[str] = set()
+        self._side: dict[str, int] = {}
         self._heap: list[_InFlight] = []
         self._seq = 0
         self._room = trio.Semaphore(max_in_flight)
@@ -360,6 +409,42 @@ class MemoryNetwork:
             transport._reopen()
         self._silent.discard(peer)
 
+    def partition(self, *sides: Collection[str]) -> None:
+        """Split the network: messages between peers of different ``sides`` vanish (a
+        peer named in no side is alone on its own)."""
+        side: dict[str, int] = {}
+        for i, peers in enumerate(sides):
+            for peer in peers:
+                self._known(peer)
+                if peer in side:
+                    raise ConfigError(f"peer {peer!r} is on two sides")
+                side[peer] = i
+        for i, peer in enumerate(p for p in self._transports if p not in side):
+            side[peer] = len(sides) + i
+        logger.info("memory network: split into %s", [sorted(s) for s in sides])
+        self._side = side
+
+    def heal(self) -> None:
+        """Undo :meth:`partition`: every side reaches every other again."""
+        logger.info("memory network: healed")
+        self._side = {}
+
+    def reaches(self, sender: str, to: str) -> bool:
+        """Whether a message from ``sender`` to ``to`` would arrive now."""
+        return to in self._transports and not self._blocked(sender, to) and to not in self._dead
+
+    def board_of(self, peer: str, liveness: Liveness | None = None) -> MemoryBoard:
+        """``peer``'s own view of the shared board (see the module docstring)."""
+        self._known(peer)
+        board = self.board
+        return MemoryBoard(
+            board.run_id,
+            board.wall,
+            _records=board._records,
+            _reached=board._reached,
+            _viewer=(self, peer, liveness),
+        )
+
     def is_dead(self, peer: str) -> bool:
         """Whether ``peer`` is killed (and not revived)."""
         return peer in self._dead
@@ -391,7 +476,9 @@ class MemoryNetwork:
     def _blocked(self, sender: str, to: str) -> bool:
         """Whether a message from ``sender`` to ``to`` vanishes now."""
         stopped = self._dead | self._silent
-        return sender in stopped or to in stopped
+        if sender in stopped or to in stopped:
+            return True
+        return bool(self._side) and self._side.get(sender) != self._side.get(to)
 
     async def _send(self, sender: str, to: str, msg: object) -> None:
         await trio.lowlevel.checkpoint()

@@ -5,14 +5,32 @@ of the run that has not expired, and what follows from them for a sync:
 
 - :meth:`PeerTracker.holdings`: ``(peer, version, digest)`` of a fragment, the input of
   the rule for which state the swarm follows (:mod:`atoll.protocol.statesync`);
-- :meth:`PeerTracker.group_settings`: the manifest's group settings with the most
-  members capped at the live peers known, so a leader closes its group as soon as every
-  live peer has joined instead of waiting out the grace window;
+- :meth:`PeerTracker.group_settings`: the manifest's group settings for the peers that
+  answer now (see below): the most members capped at them, so a leader closes its group
+  as soon as every one has joined instead of waiting out the grace window, and the quorum
+  raised to a majority of them, so that two disjoint groups never apply one slot;
 - :meth:`PeerTracker.watch`: refresh from the DHT every ``every_s``;
   :meth:`PeerTracker.wait_for`: wait until N other peers appeared (``--wait-peers``).
 
 Records expire by the injected wall clock (records carry wall-clock stamps); the
 addresses of a record go to the transport's peer store for as long as it lives.
+
+Who counts. A record lives minutes, a link can drop in a second. A peer with a live record
+counts only while it answers: the node's :class:`~atoll.protocol.liveness.Liveness`
+(shared with the DHT and the round drivers) says which peers failed a request since they
+were last heard, and those are left out (:meth:`PeerTracker.responsive`) until they answer
+or send something again.
+
+The majority rule. With ``n`` responsive peers (this one included) and a manifest quorum
+of at least 2, a group needs ``n // 2 + 1`` members when that many fit in ``max_size``.
+Two groups of one slot then always share a member, and a member is in one group per slot,
+so one slot is never applied twice with different averages while peers agree on ``n``
+(a healthy swarm). A side of a split network counts only the peers it still reaches:
+each side that holds the manifest's quorum keeps committing, and the sides' copies are
+reconciled by the rebase rule when they meet again (docs/DESIGN.md). A swarm larger than
+twice ``max_size`` cannot hold a majority in one group and falls back to the manifest's
+quorum (several groups per slot, reconciled the same way). A manifest quorum of 1 (a lone
+peer applies its own round) is left as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +44,7 @@ import trio
 
 from atoll.dht.records import PeerRecord
 from atoll.protocol.errors import AtollError, PeerUnavailable
+from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings
 from atoll.protocol.sync import Holding, holdings_of
 
@@ -62,8 +81,11 @@ class PeerTracker:
         directory: PeerDirectory,
         wall: Callable[[], float],
         addresses: AddressBook | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.me = me
+        self.liveness = liveness if liveness is not None else Liveness()
+        """who answers (shared with the DHT and the round drivers)"""
         self.group = group
         self.directory = directory
         self.wall = wall
@@ -91,18 +113,33 @@ class PeerTracker:
             self.seen.add(peer_id)
 
     def holdings(self, fragment: int) -> list[Holding]:
-        """``(peer, version, digest)`` of ``fragment`` from the live records."""
-        return holdings_of(
-            fragment, [(r.peer_id, r.versions, r.digests) for r in self.live.values()]
-        )
+        """``(peer, version, digest)`` of ``fragment`` from the live records of the
+        responsive peers (a state held only across a split cannot be copied, and its
+        holders are not the swarm this node trains with until they answer again)."""
+        rows = [
+            (r.peer_id, r.versions, r.digests)
+            for r in self.live.values()
+            if not self.liveness.silent(r.peer_id)
+        ]
+        return holdings_of(fragment, rows)
+
+    def responsive(self) -> list[str]:
+        """The peers with a live record that have not failed a request since they were
+        last heard."""
+        return [p for p in self.live if not self.liveness.silent(p)]
 
     def group_settings(self) -> GroupSettings:
-        """The group settings, the most members capped at 1 + the live peers known."""
+        """The group settings for the responsive peers (see the module docstring): the
+        most members capped at them, the quorum raised to their majority."""
         group = self.group
         if not self.live:
             return group
-        size = max(group.min_quorum, min(group.max_size, 1 + len(self.live)))
-        return dataclasses.replace(group, max_size=size)
+        n = 1 + len(self.responsive())
+        size = max(group.min_quorum, min(group.max_size, n))
+        quorum = group.min_quorum
+        if quorum >= 2 and n // 2 + 1 <= size:
+            quorum = max(quorum, n // 2 + 1)
+        return dataclasses.replace(group, min_quorum=quorum, max_size=size)
 
     async def refresh(self) -> bool:
         """Read the run's records once; False when the DHT did not answer."""

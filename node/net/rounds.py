@@ -47,6 +47,7 @@ from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
 from atoll.protocol.errors import AtollError, CodecError, ExchangeTimeout, PeerUnavailable
+from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings
 
 __all__ = [
@@ -93,7 +94,9 @@ class Mailbox:
     """Routes the host's incoming messages to the open rounds (see the module docstring).
 
     ``on_request`` handles messages no round takes (a :class:`~atoll.protocol.statesync.
-    StateRequest`, say); it runs in its own task per message. Run :meth:`run` in a task.
+    StateRequest`, say); it runs in its own task per message. ``liveness`` hears of every
+    authenticated sender (a message from a peer is proof that it is there). Run
+    :meth:`run` in a task.
     """
 
     def __init__(
@@ -105,8 +108,10 @@ class Mailbox:
         hold_bytes: int = 512 * 1024 * 1024,
         hold_messages: int = 4096,
         closed_s: float = 2.0,
+        liveness: Liveness | None = None,
     ) -> None:
         self.host = host
+        self.liveness = liveness
         self.hold_s = hold_s
         self._on_request = on_request
         self._hold_bytes = hold_bytes
@@ -158,12 +163,14 @@ class Mailbox:
             )
             self.dropped += 1
             return
+        now = trio.current_time()
+        if self.liveness is not None:
+            self.liveness.heard(sender, now)
         key = key_of(msg)
         if key is None:
             if self._on_request is not None:
                 nursery.start_soon(self._on_request, sender, msg)
             return
-        now = trio.current_time()
         self._expire(now)
         channel = self._open.get(key)
         if channel is not None:
@@ -224,8 +231,10 @@ class _Runner:
         nursery: trio.Nursery,
         events: trio.MemorySendChannel[Event],
         on_sent: Callable[[object], None] | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.on_sent = on_sent
+        self.liveness = liveness
         self.host = host
         self.nursery = nursery
         self.events = events
@@ -251,6 +260,8 @@ class _Runner:
                 self.on_sent(msg)
         except AtollError as e:
             logger.info("sending %s to %s failed: %s", type(msg).__name__, to, e)
+            if self.liveness is not None:
+                self.liveness.failed(to, trio.current_time(), f"a send failed: {e}")
             with contextlib.suppress(
                 trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError
             ):
@@ -326,7 +337,7 @@ async def run_matchmaking(
     mailbox: Mailbox,
     dht: ReadyBoard,
     me: mm.Declaration,
-    settings: GroupSettings,
+    settings: GroupSettings | Callable[[], GroupSettings],
     *,
     timeout_s: float,
     ttl_s: float,
@@ -334,19 +345,27 @@ async def run_matchmaking(
     poll_s: float = 0.5,
     view: Callable[[list[mm.Declaration]], None] | None = None,
     background: trio.Nursery | None = None,
+    answer_s: float | None = None,
+    liveness: Liveness | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
+    ``settings`` may be a function: it is asked again at every DHT view, and the
+    matchmaker resized when the answer changes (the peers that answer changed).
     ``view`` is called with every DHT view of the slot (all declarations, compatible or
     not: the caller learns from them which states the swarm holds). ``ttl_s`` is the
     lifetime of the published ready record; ``wall`` the clock records are stamped with.
     ``background``: see :func:`run_allreduce` (the DHT polls and announcements run there
-    too, and stop at their next turn).
+    too, and stop at their next turn). ``answer_s``: the matchmaker's bound on a silent
+    leader. ``liveness``: declarations of peers that failed a request since they were last
+    heard are left out (they would be asked to lead and not answer), a leader dropped for
+    silence is reported to it, and so is a failed send.
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
     now = trio.current_time()
-    machine = mm.Matchmaker(me, settings, now=now, timeout=timeout_s)
+    settings_of = settings if callable(settings) else (lambda: settings)
+    machine = mm.Matchmaker(me, settings_of(), now=now, timeout=timeout_s, answer_s=answer_s)
     outcome: mm.Formed | mm.Alone | None = None
     mailbox.open(key, send_ch)
     stop = trio.Event()
@@ -357,7 +376,7 @@ async def run_matchmaking(
                 if background is not None
                 else await stack.enter_async_context(trio.open_nursery())
             )
-            runner = _Runner(host, io, send_ch)
+            runner = _Runner(host, io, send_ch, liveness=liveness)
 
             async def announce() -> None:
                 issued = wall()
@@ -388,11 +407,17 @@ async def run_matchmaking(
             def observe(decls: list[mm.Declaration], now: float) -> list[Any]:
                 if view is not None:
                     view(decls)
-                return machine.observe(decls, now=now)
+                if liveness is not None:
+                    decls = [d for d in decls if not liveness.silent(d.peer_id)]
+                out = machine.resize(settings_of(), now=now)
+                return [*out, *machine.observe(decls, now=now)]
 
             first = machine.tick(trio.current_time())
             outcome = await _drive(machine, first, events, runner, observe)
             stop.set()
+            if liveness is not None:
+                for peer in machine.silent:
+                    liveness.failed(peer, trio.current_time(), "silent as a leader")
             if background is None:
                 # the last messages (GroupFormed to the members, a Disband) must still go
                 # out; what is left after the linger is cancelled (see run_allreduce)
@@ -422,6 +447,7 @@ async def run_allreduce(
     traffic: RoundTraffic | None = None,
     checkpoint: Callable[[str], None] | None = None,
     background: trio.Nursery | None = None,
+    liveness: Liveness | None = None,
 ) -> ar.Done | ar.Failed:
     """Run this node's side of one all-reduce round; Done or Failed, within the timeouts.
 
@@ -431,6 +457,8 @@ async def run_allreduce(
     frame in the connection's encrypted stream, and py-libp2p then loses the *whole
     connection* (every stream on it, the DHT's too). Without it the sends get
     ``linger_s`` after the outcome and are cancelled after that.
+
+    ``liveness`` hears of sends that failed.
 
     ``checkpoint`` (fault injection for tests) is called with ``"start"`` before the
     first part goes out, ``"part_sent"`` once one part has been written, and
@@ -474,7 +502,7 @@ async def run_allreduce(
                 if background is not None
                 else await stack.enter_async_context(trio.open_nursery())
             )
-            runner = _Runner(host, io, send_ch, on_sent)
+            runner = _Runner(host, io, send_ch, on_sent, liveness=liveness)
             if checkpoint is not None:
                 checkpoint("start")
             outcome = await _drive(machine, machine.start(), events, runner)

@@ -54,6 +54,7 @@ from atoll.node.net.syncer import FaultHook, Syncer
 from atoll.node.net.tally import SyncTally
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import ConfigError
+from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import RunManifest
 from atoll.protocol.schedule import Schedule
 from atoll.security.identity import load_or_create
@@ -82,6 +83,7 @@ class _Node:
         poll_s: float,
         fault: FaultHook | None,
         background: trio.Nursery,
+        liveness: Liveness,
     ) -> None:
         self.shared = shared
         self.outbox = outbox
@@ -92,9 +94,19 @@ class _Node:
         self.clock = SystemClock()
         self.tally = SyncTally()
         self.peers = PeerTracker(
-            host.peer_id, manifest.group, directory=dht, wall=self.clock.wall, addresses=host
+            host.peer_id,
+            manifest.group,
+            directory=dht,
+            wall=self.clock.wall,
+            addresses=host,
+            liveness=liveness,
         )
-        self.mailbox = Mailbox(host, on_request=self._on_request, hold_s=manifest.timeouts.round_s)
+        self.mailbox = Mailbox(
+            host,
+            on_request=self._on_request,
+            hold_s=manifest.timeouts.round_s,
+            liveness=liveness,
+        )
         self.syncer = Syncer(
             transport=host,
             mailbox=self.mailbox,
@@ -243,6 +255,7 @@ async def swarm_worker(
         seed=seed,
     )
     run_id = manifest.run_id()
+    liveness = Liveness()
     host_config = HostConfig(listen=tuple(listen), dial_timeout_s=manifest.timeouts.dial_s)
     async with (
         open_host(identity, run_id, host_config) as host,
@@ -267,6 +280,7 @@ async def swarm_worker(
             poll_s=poll_s,
             fault=fault_hook,
             background=nursery,
+            liveness=liveness,
         )
         nursery.start_soon(node.mailbox.run)
         joined = await join_swarm(

@@ -53,7 +53,7 @@ from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
 from atoll.protocol.manifest import Timeouts
 
-__all__ = ["FaultHook", "Offload", "SyncReport", "Syncer", "inline"]
+__all__ = ["FaultHook", "Offload", "SyncReport", "Syncer", "answer_bound", "inline"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,13 @@ Offload = Callable[..., Awaitable[Any]]
 
 FaultHook = Callable[[int, int], Callable[[str], None] | None]
 """``(fragment, slot) -> checkpoint or None``: fault injection for a round (tests)."""
+
+
+def answer_bound(timeouts: Timeouts) -> float:
+    """How long matchmaking waits for a silent leader: a quarter of its timeout, between
+    1 and 5 s (a leader on a 40 ms link answers in well under a second, a busy one in a
+    few)."""
+    return max(1.0, min(5.0, timeouts.matchmaking_s / 4))
 
 
 async def inline(fn: Callable[..., T], *args: Any) -> T:
@@ -206,6 +213,7 @@ class Syncer:
                     traffic=traffic,
                     checkpoint=self._checkpoint(action.spec.key.fragment, action.spec.key.round),
                     background=self.background,
+                    liveness=self.peers.liveness,
                 )
                 if report is not None:
                     report.traffic = traffic
@@ -230,13 +238,15 @@ class Syncer:
             self.mailbox,
             self.board,
             me,
-            self.peers.group_settings(),
+            self.peers.group_settings,
             timeout_s=matchmaking_s,
             ttl_s=2 * matchmaking_s + READY_TTL_SLACK_S,
             wall=self.wall,
             poll_s=self.poll_s,
             view=on_view,
             background=self.background,
+            answer_s=answer_bound(self.timeouts),
+            liveness=self.peers.liveness,
         )
 
     async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:

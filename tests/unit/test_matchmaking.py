@@ -96,6 +96,8 @@ class Swarm:
     timeout: float = TIMEOUT
     deaths: dict[str, float] = field(default_factory=dict)
     lost_delay: float = 0.1  # > latency: peer_lost arrives after the dead peer's last words
+    silences: dict[str, float] = field(default_factory=dict)  # peer -> when it goes silent
+    answer_s: float | None = None  # the machines' bound on a silent leader
 
     machines: dict[str, Matchmaker] = field(init=False, default_factory=dict)
     results: dict[str, Formed | Alone] = field(init=False, default_factory=dict)
@@ -124,6 +126,8 @@ class Swarm:
                     self._push(t, "view", peer, owner)
         for peer, at in self.deaths.items():
             self._push(at, "die", peer, None)
+        for peer, at in self.silences.items():
+            self._push(at, "silence", peer, None)
 
     def _push(self, at: float, kind: str, peer: str, item: object) -> None:
         heapq.heappush(self._queue, (at, self._seq, kind, peer, item))
@@ -156,7 +160,9 @@ class Swarm:
                 continue
             if kind == "start":
                 d = self.by_id[peer]
-                self.machines[peer] = Matchmaker(d, self.group, now=at, timeout=self.timeout)
+                self.machines[peer] = Matchmaker(
+                    d, self.group, now=at, timeout=self.timeout, answer_s=self.answer_s
+                )
                 self._handle(peer, self.machines[peer].observe(self.view(peer), now=at))
                 continue
             m = self.machines.get(peer)
@@ -172,6 +178,8 @@ class Swarm:
             elif kind == "lost":
                 assert isinstance(item, str)
                 self._handle(peer, m.peer_lost(item, now=at))
+            elif kind == "silence":
+                self.dead.add(peer)  # it neither hears nor says anything; nobody is told
             elif kind == "die":
                 self.dead.add(peer)
                 for other in self.by_id:
@@ -735,3 +743,64 @@ def test_property_benign_swarms_leave_nobody_behind(
         k = compat_key(sw.by_id[p])
         alone[k] = alone.get(k, 0) + 1
     assert all(c < min_quorum for c in alone.values()), (alone, min_quorum)
+
+
+# --------------------------------------------------------------------------------------
+# silent leaders
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("at", [0.0, 0.3, 1.5])
+def test_a_silent_leader_is_dropped_and_the_others_form_in_time(at: float) -> None:
+    """The lowest-ranked peer goes silent (before anything, after accepting members, or
+    mid-grace): nobody is told, yet the others form a group without it, long before the
+    matchmaking timeout, and it is named as silent by those that waited for it."""
+    ids = by_rank(peers(5))
+    g = GroupSettings(2, 8, 2.0)
+    sw = Swarm(
+        [decl(p) for p in ids], g, seed=3, silences={ids[0]: at}, answer_s=1.0, timeout=30.0
+    ).run()
+    check_safety(sw)
+    rest = set(ids[1:])
+    assert rest <= set(sw.formed()), sw.results
+    members = {sw.formed()[p].members for p in rest}
+    assert len(members) == 1 and set(next(iter(members))) == rest
+    # bounded by the silence bound plus the grace window, not by the 30 s timeout
+    assert max(sw.ended_at[p] for p in rest) <= at + 1.5 * 1.0 + g.grace_s + 1.0
+    assert all(ids[0] in sw.machines[p].silent for p in rest)
+
+
+def test_without_a_bound_a_silent_leader_costs_the_whole_timeout() -> None:
+    """The same silence with no ``answer_s``: the others wait until their timeout (the
+    behaviour the bound exists for)."""
+    ids = by_rank(peers(4))
+    sw = Swarm(
+        [decl(p) for p in ids],
+        GroupSettings(2, 8, 2.0),
+        seed=3,
+        silences={ids[0]: 0.0},
+        timeout=30.0,
+    ).run()
+    check_safety(sw)
+    assert min(sw.ended_at[p] for p in ids[1:]) >= 30.0 - 1e-9
+
+
+def test_a_live_leader_keeps_its_followers_past_the_silence_bound() -> None:
+    """A long grace window (longer than ``answer_s``): the leader's keepalives hold its
+    followers, so nobody leaves a live leader and one group of everybody forms."""
+    ids = by_rank(peers(4))
+    sw = Swarm(
+        [decl(p) for p in ids],
+        GroupSettings(4, 8, 5.0),
+        seed=1,
+        answer_s=0.5,
+        starts=[0.0, 0.0, 0.0, 3.0],
+        timeout=30.0,
+    ).run()
+    check_safety(sw)
+    check_complete(sw)
+    assert set(sw.groups()) == {ids[0]}
+    assert all(not m.silent for m in sw.machines.values())
+
+
+def test_answer_s_must_be_positive() -> None:
+    with pytest.raises(ConfigError):
+        Matchmaker(decl("x"), GroupSettings(), now=0.0, timeout=1.0, answer_s=0.0)

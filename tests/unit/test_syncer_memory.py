@@ -23,10 +23,12 @@ from atoll.dht.records import PeerRecord
 from atoll.node.net.memory import MemoryNetwork
 from atoll.node.net.peers import PeerTracker
 from atoll.node.net.rounds import Mailbox
-from atoll.node.net.syncer import Syncer, SyncReport, inline
+from atoll.node.net.syncer import Syncer, SyncReport, answer_bound, inline
 from atoll.protocol import allreduce as ar
+from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
 from atoll.protocol.engine import EngineConfig, OuterEngine
+from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings, Timeouts
 from atoll.protocol.schedule import Schedule
 
@@ -91,21 +93,23 @@ async def _node(
     *,
     initial: np.ndarray,
     codec: str = "e3m0",
+    group: GroupSettings = GROUP,
 ) -> Node:
     engine = OuterEngine(_config(codec), Schedule(4, 1), [initial])
     transport = net.transport(peer)
-    tracker = PeerTracker(peer, GROUP, directory=directory, wall=net.wall)
+    liveness = Liveness()
+    tracker = PeerTracker(peer, group, directory=directory, wall=net.wall, liveness=liveness)
     holder: list[Syncer] = []
 
     async def on_request(sender: str, msg: object) -> None:
         await holder[0].serve_request(sender, msg)
 
-    mailbox = Mailbox(transport, on_request=on_request, hold_s=TIMEOUTS.round_s)
+    mailbox = Mailbox(transport, on_request=on_request, hold_s=TIMEOUTS.round_s, liveness=liveness)
     node = Node(peer, engine, None)  # type: ignore[arg-type]
     syncer = Syncer(
         transport=transport,
         mailbox=mailbox,
-        board=net.board,
+        board=net.board_of(peer, liveness),
         engine=engine,
         peers=tracker,
         run_id=RUN,
@@ -332,6 +336,172 @@ def test_a_cancelled_sync_rolls_back_exactly_once() -> None:
             stats = nodes[0].engine.stats(0)
             assert (stats.skipped, stats.applied) == (1, 0)
             assert nodes[0].engine.pending(0) is None and nodes[0].engine.version(0) == 0
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+# --------------------------------------------------------------------------------------
+# silent peers, splits and heals
+# --------------------------------------------------------------------------------------
+def _leader_of(nodes: list[Node], slot: int) -> Node:
+    """The node every peer ranks lowest at ``slot``: the leader when all are ready."""
+    return min(nodes, key=lambda n: mm.rank(mm.Declaration(RUN, 0, slot, n.peer, 0, "", 0, 0)))
+
+
+TRAIN_S = 5.0
+"""fake-clock seconds of training between two syncs of the fragment (H inner steps)"""
+
+
+async def _sync_nodes(nodes: list[Node], step: int, seed: int) -> None:
+    """Every node's sync at once, after the inner steps that lead to it."""
+    await trio.sleep(TRAIN_S)
+    await _sync_all(nodes, _locals(len(nodes), seed=seed), step)
+
+
+def test_a_leader_silent_from_the_start_is_never_asked() -> None:
+    """The DHT's requests find the silent peer out before matchmaking asks it to lead: the
+    others form without it at once."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 5)
+            leader = _leader_of(nodes, 0)
+            net.silence(leader.peer)
+            rest = [n for n in nodes if n is not leader]
+            start = nodes[0].state()
+            await _sync_nodes(rest, 3, 0)
+            assert len(_check_atomic(rest, start)) == 4
+            assert all(len(n.report.done.members) == 4 for n in rest)  # type: ignore[union-attr]
+            # no wait for the silent peer beyond the grace window
+            assert max(n.report.seconds for n in rest) <= GROUP.grace_s + 1.0  # type: ignore[union-attr]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_leader_that_goes_silent_when_asked_is_dropped_within_the_answer_bound() -> None:
+    """The leader goes silent as the first JoinRequest reaches it: the others drop it
+    after the answer bound and commit together, well before the matchmaking timeout."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 5)
+            leader = _leader_of(nodes, 0)
+
+            def silence(sender: str, to: str, msg: object) -> None:
+                if to == leader.peer and isinstance(msg, mm.JoinRequest):
+                    net.silence(leader.peer)
+
+            net.on_deliver = silence
+            rest = [n for n in nodes if n is not leader]
+            start = nodes[0].state()
+            async with trio.open_nursery() as syncs:
+                syncs.start_soon(_sync_nodes, rest, 3, 0)
+                with trio.move_on_after(TIMEOUTS.matchmaking_s + TIMEOUTS.round_s):
+                    await _sync(leader, _locals(1, seed=7)[0], 3)  # it hears nothing
+            committed = _check_atomic(rest, start)
+            assert len(committed) == 4, [n.report.done.reason for n in rest]  # type: ignore[union-attr]
+            for n in rest:
+                assert leader.peer not in n.report.done.members  # type: ignore[union-attr]
+            bound = answer_bound(TIMEOUTS)
+            took = max(n.report.seconds for n in rest)  # type: ignore[union-attr]
+            assert took < 1.5 * bound + GROUP.grace_s + 1.0 < TIMEOUTS.matchmaking_s, took
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_member_silent_after_forming_costs_one_round_then_the_rest_go_on() -> None:
+    """A member goes silent once its group formed: that round fails for everybody at the
+    phase deadline (never a partial commit); the next sync leaves it out and commits."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            victim = next(n for n in nodes if n is not _leader_of(nodes, 0))
+
+            def silence(sender: str, to: str, msg: object) -> None:
+                if to == victim.peer and isinstance(msg, mm.GroupFormed):
+                    net.silence(victim.peer)
+                    net.on_deliver = None
+
+            net.on_deliver = silence
+            rest = [n for n in nodes if n is not victim]
+            start = nodes[0].state()
+            async with trio.open_nursery() as syncs:
+                syncs.start_soon(_sync_nodes, rest, 3, 0)
+                with trio.move_on_after(TIMEOUTS.matchmaking_s + TIMEOUTS.round_s):
+                    await _sync(victim, _locals(1, seed=7)[0], 3)
+            assert _check_atomic(rest, start) == []
+            assert all(n.report.done.round_status == "failed" for n in rest)  # type: ignore[union-attr]
+            await _sync_nodes(rest, 7, 1)
+            states = {n.state() for n in rest}
+            assert len(states) == 1 and states != {start}, [n.report.done for n in rest]  # type: ignore[union-attr]
+            assert all(len(n.report.done.members) == 3 for n in rest)  # type: ignore[union-attr]
+            assert max(n.report.seconds for n in rest) < TIMEOUTS.matchmaking_s  # type: ignore[union-attr]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_healthy_swarm_with_split_views_never_applies_one_slot_twice() -> None:
+    """Two halves that see only their own declarations (a slow DHT) but answer each other:
+    the majority rule keeps either half from committing the slot alone (no fork)."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            halves = [{"peer-0", "peer-1"}, {"peer-2", "peer-3"}]
+            for node in nodes:
+                half = next(h for h in halves if node.peer in h)
+                node.syncer.board = net.board.view(half)
+                await node.syncer.peers.refresh()
+                assert node.syncer.peers.group_settings().min_quorum == 3
+            start = nodes[0].state()
+            await _sync_nodes(nodes, 3, 0)
+            assert _check_atomic(nodes, start) == []
+            assert {n.report.done.round_status for n in nodes} == {"alone"}  # type: ignore[union-attr]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+@pytest.mark.parametrize("sides", [((0, 1), (2, 3)), ((0, 1, 2), (3,))])
+def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
+    sides: tuple[tuple[int, ...], ...],
+) -> None:
+    """A 2|2 and a 3|1 split: every side of at least the quorum commits each sync; after
+    healing one sync settles the copies (the rule picks one, the rest rebase) and the next
+    sync is one group of everybody on one copy."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            await _sync_nodes(nodes, 3, 0)
+            assert len({n.state() for n in nodes}) == 1
+            net.partition(*[[nodes[i].peer for i in side] for side in sides])
+            for k in range(2):
+                await _sync_nodes(nodes, 7 + 4 * k, 1 + k)
+                for side in sides:
+                    members = [nodes[i] for i in side]
+                    if len(side) >= GROUP.min_quorum:
+                        assert all(n.report.done.applied for n in members), [  # type: ignore[union-attr]
+                            n.report.done.reason
+                            for n in members  # type: ignore[union-attr]
+                        ]
+                        assert len({n.state() for n in members}) == 1
+                    else:
+                        assert not any(n.report.done.applied for n in members)  # type: ignore[union-attr]
+            copies = {n.state() for n in nodes}
+            assert len(copies) == len(sides)  # each side on its own copy
+            net.heal()
+            await _sync_nodes(nodes, 15, 3)  # the losers rebase
+            assert len({n.state() for n in nodes}) == 1, [n.report.done for n in nodes]  # type: ignore[union-attr]
+            await _sync_nodes(nodes, 19, 4)  # one group of everybody
+            assert len({n.state() for n in nodes}) == 1
+            assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
+            assert all(n.report.done.applied for n in nodes)  # type: ignore[union-attr]
             services.cancel_scope.cancel()
 
     _run(main)

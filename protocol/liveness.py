@@ -1,0 +1,103 @@
+"""Which peers answer: liveness from recent contact, not from records alone.
+
+A peer whose link dropped silently (Wi-Fi, a closed laptop lid, a router restart) does not
+refuse connections, as a crashed process does: it stops answering, and every request to
+it waits out its whole timeout. Its records stay valid for minutes. :class:`Liveness`
+keeps what this node learned by talking to peers, so that one silent peer costs its own
+share (one timed-out request), not every later request of the swarm:
+
+- :meth:`Liveness.heard`: the peer answered or sent something (a DHT reply, a round
+  message); it is not suspected any more.
+- :meth:`Liveness.failed`: a request to the peer timed out or could not be sent; the peer
+  is *suspected* for :attr:`Liveness.hold_s` seconds, doubled at each failure in a row
+  (up to :attr:`Liveness.max_hold_s`). A suspected peer is skipped: the DHT leaves it out
+  of the closest peers it asks, group sizes and majorities do not count it, and
+  matchmaking does not pick it as a leader.
+- Once the hold has passed, the peer is tried again (a probe); it comes back as soon as it
+  answers, or as soon as a message of its own arrives. Until then it stays *silent*
+  (:meth:`Liveness.silent`): requests may reach it again, but it does not count toward
+  group sizes and majorities.
+
+One object is shared by the DHT and the round drivers of a node. Time is passed in (any
+monotonic clock, seconds); nothing here reads a clock or does IO.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from atoll.protocol.errors import ConfigError
+
+__all__ = ["Liveness"]
+
+
+@dataclass(slots=True)
+class _Peer:
+    heard_at: float | None = None
+    failures: int = 0
+    until: float = -math.inf
+    reason: str = ""
+
+
+class Liveness:
+    """Suspected peers of one node (see the module docstring)."""
+
+    def __init__(self, *, hold_s: float = 5.0, max_hold_s: float = 60.0) -> None:
+        for name, value in (("hold_s", hold_s), ("max_hold_s", max_hold_s)):
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be finite and > 0, not {value!r}")
+        if max_hold_s < hold_s:
+            raise ConfigError(f"max_hold_s ({max_hold_s}) must be >= hold_s ({hold_s})")
+        self.hold_s = float(hold_s)
+        self.max_hold_s = float(max_hold_s)
+        self._peers: dict[str, _Peer] = {}
+        self.suspicions = 0
+        """how many times a peer became suspected (for status and benchmarks)"""
+
+    def heard(self, peer: str, now: float) -> None:
+        """``peer`` answered, or sent us something: it is live."""
+        p = self._peers.setdefault(peer, _Peer())
+        p.heard_at = now
+        p.failures = 0
+        p.until = -math.inf
+        p.reason = ""
+
+    def failed(self, peer: str, now: float, reason: str = "no answer") -> None:
+        """A request to ``peer`` timed out or failed: suspect it for a while.
+
+        The hold doubles with each failure in a row; a failure while already suspected
+        (a request that was under way when the first one failed) does not extend it.
+        """
+        p = self._peers.setdefault(peer, _Peer())
+        if now < p.until:
+            return
+        hold = min(self.max_hold_s, self.hold_s * 2 ** min(p.failures, 30))
+        p.failures += 1
+        p.until = now + hold
+        p.reason = reason
+        self.suspicions += 1
+
+    def suspected(self, peer: str, now: float) -> bool:
+        """Whether ``peer`` is to be skipped now (it failed, and its hold has not passed)."""
+        p = self._peers.get(peer)
+        return p is not None and now < p.until
+
+    def silent(self, peer: str) -> bool:
+        """Whether ``peer`` failed since it was last heard (it does not count as live,
+        even once its hold has passed and it may be tried again)."""
+        p = self._peers.get(peer)
+        return p is not None and p.failures > 0
+
+    def suspects(self, now: float) -> dict[str, str]:
+        """The suspected peers now, with the reason of each."""
+        return {peer: p.reason for peer, p in self._peers.items() if now < p.until}
+
+    def heard_at(self, peer: str) -> float | None:
+        """When ``peer`` last answered or sent something, or None."""
+        p = self._peers.get(peer)
+        return None if p is None else p.heard_at
+
+    def forget(self, peer: str) -> None:
+        """Drop what is known of ``peer`` (it left the run)."""
+        self._peers.pop(peer, None)
