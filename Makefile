@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV_FLAGS ?=
 STAMP := $(VENV)/.atoll-installed
 
-.PHONY: venv install test lint typecheck check demo bench-quick bench-parity clean
+.PHONY: venv install netlab-deps test lint typecheck check demo bench-quick bench-parity clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,23 @@ $(STAMP): pyproject.toml Makefile
 
 install: venv
 
-test: venv
+# What the network-namespace lab of the integration tests needs (atoll.node.netlab): `ip`
+# and `tc` (iproute2) and iptables, installed with apt-get when missing and running as root.
+# Not root: nothing happens, and those tests skip, saying why.
+netlab-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  pkgs=""; \
+	  command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || pkgs=" iproute2"; \
+	  command -v iptables >/dev/null 2>&1 || pkgs="$$pkgs iptables"; \
+	  if [ -n "$$pkgs" ]; then \
+	    echo "installing$$pkgs (the network lab of the integration tests)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkgs >/dev/null || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkgs >/dev/null; } || \
+	    echo "could not install$$pkgs: the network-lab tests will skip"; \
+	  fi; \
+	fi
+
+test: venv netlab-deps
 	@$(VENV)/bin/pytest -q
 
 lint: venv
