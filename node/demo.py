@@ -8,7 +8,9 @@ fragment, bytes up); at the end a summary: loss per node, bytes each peer sent, 
 data-parallel training would have sent for the same steps. ``--json FILE`` writes it.
 
 Every child is a real process speaking over real sockets; the demo only reads their JSON
-progress lines (``atoll node --progress jsonl``). Ctrl+C stops the nodes cleanly (SIGINT),
+progress lines (``atoll node --progress jsonl``); each node also writes its full summary
+to ``node<i>.json`` in the demo's folder. A network lab (``DemoConfig.lab``, or wanlab) can
+host the processes, each in a namespace of its own. Ctrl+C stops the nodes cleanly (SIGINT),
 then the bootstrap; a node that does not stop within its bound is killed.
 """
 
@@ -25,17 +27,29 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import IO, Any, Protocol, TextIO
 
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.manifest import OuterLoop
 
-__all__ = ["DemoConfig", "manifest_text", "run_demo"]
+__all__ = ["DemoConfig", "Lab", "manifest_text", "run_demo"]
 
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 60.0
+
+
+class Lab(Protocol):
+    """A network lab hosting the demo's processes (e.g. :class:`atoll.node.netlab.NetLab`)."""
+
+    def prefix(self, i: int) -> list[str]:
+        """The command prefix that runs a process inside the lab's node ``i``."""
+        ...
+
+    def ip(self, i: int) -> str:
+        """The IPv4 address of the lab's node ``i``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -59,10 +73,15 @@ class DemoConfig:
     namespace i, on its address (the lab must be up with at least ``nodes`` nodes)"""
     timeouts_scale: float = 1.0
     """multiply the manifest's timeouts (slow links)"""
+    lab: Lab | None = None
+    """a network lab with ``nodes + 1`` nodes: node i runs in the lab's node i, the
+    bootstrap in node ``nodes`` (a fault of node 0 leaves the bootstrap alone)"""
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
             raise ConfigError("the demo needs at least 2 nodes")
+        if self.lab is not None and self.wanlab:
+            raise ConfigError("the demo runs in one lab: wanlab or lab, not both")
         if self.steps < self.H:
             raise ConfigError(f"steps ({self.steps}) must be at least H ({self.H})")
         OuterLoop(H=self.H, tau=self.tau, codec=self.codec)  # checked where it is declared
@@ -141,11 +160,21 @@ def _table(children: list[_Child]) -> str:
 
 
 def _wrap(cfg: DemoConfig, i: int) -> list[str]:
-    """The command prefix that runs a process as node ``i`` (wanlab's namespace i)."""
+    """The command prefix that runs a process as node ``i`` (wanlab's namespace i, or the
+    lab's node i)."""
+    if cfg.lab is not None:
+        return cfg.lab.prefix(i)
     return [cfg.wanlab, "exec", str(i)] if cfg.wanlab else []
 
 
+def _boot_index(cfg: DemoConfig) -> int:
+    """The lab node the bootstrap runs in: its own in a lab, node 0's under wanlab."""
+    return cfg.nodes if cfg.lab is not None else 0
+
+
 def _listen(cfg: DemoConfig, i: int) -> str:
+    if cfg.lab is not None:
+        return f"/ip4/{cfg.lab.ip(i)}/tcp/0"
     if not cfg.wanlab:
         return "/ip4/127.0.0.1/tcp/0"
     ip = subprocess.run(
@@ -159,13 +188,13 @@ def _start_bootstrap(cfg: DemoConfig, work: Path) -> tuple[subprocess.Popen[str]
     log = (work / "bootstrap.log").open("w")
     proc = subprocess.Popen(
         [
-            *_wrap(cfg, 0),
+            *_wrap(cfg, _boot_index(cfg)),
             *_python(),
             "bootstrap",
             "--identity",
             str(work / "bootstrap.key"),
             "--listen",
-            _listen(cfg, 0),
+            _listen(cfg, _boot_index(cfg)),
             "--addr-file",
             str(addr_file),
         ],
@@ -245,6 +274,8 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stderr) -> dict[str, Any]:
                     str(cfg.nodes - 1),
                     "--log-every",
                     str(max(1, cfg.H // 5)),
+                    "--json",
+                    str(work / f"node{i}.json"),
                 ],
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -309,7 +340,7 @@ def _summary(
     mean_up = sum(n["bytes_up"] for n in done) / len(done) if done else None
     ddp = max((n["ddp_bytes"] or 0 for n in done), default=0)
     return {
-        "config": cfg.__dict__,
+        "config": {**cfg.__dict__, "lab": repr(cfg.lab) if cfg.lab is not None else None},
         "wall_s": wall_s,
         "interrupted": interrupted,
         "nodes": nodes,
