@@ -43,14 +43,14 @@ import torch
 
 from atoll.node.data import Batcher, load_corpus
 from atoll.node.model import build, tensor_specs
-from atoll.node.net.bridge import NetworkBridge, SharedFragments, SyncOutcome
+from atoll.node.net.bridge import NetworkBridge, Settled, SharedFragments, SyncOutcome
 from atoll.node.net.status import NodeStatus
 from atoll.node.settings import NodeConfig
 from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, resolve_device
 from atoll.protocol.engine import merge
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import plan_fragments
-from atoll.protocol.manifest import RunManifest
+from atoll.protocol.manifest import RunManifest, Timeouts
 from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.streaming import StreamingLoop
@@ -92,6 +92,9 @@ class NodeSummary:
     """steps skipped after a rebase found the swarm further ahead in time"""
     stopped_by: str
     global_digest: str
+    settled: bool = False
+    """every peer that answered held this node's global copy when it stopped"""
+    settle_detail: str = ""
     info: dict[str, Any] = field(default_factory=dict)
     """the network process's last :class:`~atoll.node.net.status.NodeStatus` (as_dict)"""
 
@@ -105,6 +108,12 @@ class NodeSummary:
         d = asdict(self)
         d["utilisation"] = self.utilisation
         return d
+
+
+def settle_timeout_s(timeouts: Timeouts) -> float:
+    """How long a node settles at the end of a run: its last sync (matchmaking, round and
+    a state copy) plus the same again for its peers' last ones."""
+    return 2 * (timeouts.matchmaking_s + timeouts.round_s)
 
 
 class _Stop:
@@ -282,6 +291,13 @@ def _train(
             progress(run.progress(rep, bridge, cfg.log_every))
     loop.finish()  # the rounds still in flight finish (bounded) so the last results merge
     wall = time.perf_counter() - run.t0
+    if stop.by:
+        settled = Settled(False, f"stopped by {stop.by}: not settled")
+    else:
+        # every fragment onto the swarm's copy, so nodes that finish together agree
+        settled = bridge.settle(settle_timeout_s(manifest.timeouts))
+        log = logger.info if settled.agreed else logger.warning
+        log("end of run: %s", settled.detail)
     final = bridge.refresh(1.5)
     eval_loss: float | None = None
     if cfg.eval_batches:
@@ -299,6 +315,7 @@ def _train(
         stopped_by=stop.by or "steps",
         global_digest=_digest(shared),
         log_every=cfg.log_every,
+        settled=settled,
     )
 
 
@@ -396,6 +413,7 @@ class _Run:
         stopped_by: str,
         global_digest: str,
         log_every: int,
+        settled: Settled,
     ) -> NodeSummary:
         """What the node reports when it stops, from the network process's last status."""
         done = len(self.losses)  # steps trained (jumps excluded)
@@ -424,6 +442,8 @@ class _Run:
             steps_jumped=self.jumped,
             stopped_by=stopped_by,
             global_digest=global_digest,
+            settled=settled.agreed,
+            settle_detail=settled.detail,
             info=status.as_dict(),
         )
 

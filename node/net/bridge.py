@@ -102,6 +102,7 @@ __all__ = [
     "NetworkProcessDied",
     "NetworkProcessError",
     "NetworkStartError",
+    "Settled",
     "SharedFragments",
     "SyncOutcome",
     "local_engine_worker",
@@ -276,6 +277,19 @@ def _outcome_msg(o: SyncOutcome) -> list[Any]:
 Handler = Callable[[int, int, int], Awaitable[SyncOutcome]]
 
 
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """How the end-of-run settle went: ``agreed`` when every peer that answers holds this
+    node's global copy of every fragment; ``detail`` says what was done or what is left."""
+
+    agreed: bool
+    detail: str
+
+
+SettleHandler = Callable[[float], Awaitable[Settled]]
+"""``await settle(timeout_s)``: bring every fragment onto the swarm's copy (network side)."""
+
+
 async def _receive(inbox: Connection) -> list[Any] | None:
     """The next command, without blocking the loop; None when the trainer's end closed."""
     while True:
@@ -290,13 +304,21 @@ async def _receive(inbox: Connection) -> list[Any] | None:
         await trio.lowlevel.wait_readable(inbox.fileno())
 
 
-async def serve(inbox: Connection, outbox: Connection, handler: Handler) -> None:
+async def serve(
+    inbox: Connection,
+    outbox: Connection,
+    handler: Handler,
+    settle: SettleHandler | None = None,
+) -> None:
     """Run the bridge's command loop until ``shutdown`` or until the trainer goes away.
 
     Sends ``ready`` first. Each ``start`` runs ``handler(fragment, step, tokens)`` in a
     nursery (one sync in flight per fragment; a second start of the same fragment is
     answered with a failed outcome). A handler raising :class:`AtollError` yields a
     failed outcome with the error as reason; any other exception ends the process.
+    ``settle`` (a ``["settle", timeout_s]`` command, at the end of a run) first waits for
+    the syncs in flight, then runs ``settle(time left)`` and answers ``["settled",
+    agreed, detail]``; without a handler the answer is agreed at once.
     """
     in_flight: set[int] = set()
     gone = trio.Event()
@@ -315,6 +337,23 @@ async def serve(inbox: Connection, outbox: Connection, handler: Handler) -> None
         finally:
             in_flight.discard(p)
         send(_outcome_msg(outcome))
+
+    async def run_settle(timeout_s: float) -> None:
+        deadline = trio.current_time() + timeout_s
+        with trio.move_on_at(deadline):
+            while in_flight:  # the last syncs end within their own timeouts
+                await trio.sleep(0.1)
+        left = deadline - trio.current_time()
+        if in_flight:
+            result = Settled(False, f"syncs of fragments {sorted(in_flight)} still in flight")
+        elif settle is None:
+            result = Settled(True, "nothing to settle")
+        else:
+            try:
+                result = await settle(max(0.0, left))
+            except AtollError as e:
+                result = Settled(False, f"{type(e).__name__}: {e}")
+        send(["settled", result.agreed, result.detail])
 
     async with trio.open_nursery() as nursery:
 
@@ -338,6 +377,8 @@ async def serve(inbox: Connection, outbox: Connection, handler: Handler) -> None
                     continue
                 in_flight.add(p)
                 nursery.start_soon(run_one, p, step, tokens)
+            elif msg[0] == "settle" and len(msg) == 2:
+                nursery.start_soon(run_settle, float(msg[1]))
             else:
                 log.warning("unknown bridge command %r", msg[:1])
         nursery.cancel_scope.cancel()
@@ -409,6 +450,7 @@ class NetworkBridge:
         self._finished: dict[int, SyncOutcome] = {}  # received, not yet handed out
         self._dead: str | None = None
         self._closed = False
+        self._settled: Settled | None = None
         self.status = NodeStatus()
         """the latest status the network process sent (peer id, peers, bytes, rounds)"""
         ctx = multiprocessing.get_context("spawn")
@@ -548,6 +590,30 @@ class NetworkBridge:
         finally:
             self.stats.wait_s += time.monotonic() - t0
 
+    def settle(self, timeout_s: float) -> Settled:
+        """At the end of a run: have the network process bring every fragment onto the
+        swarm's copy (its syncs in flight end first; then a rebase where the peers hold
+        another copy, until every peer that answers holds this node's). Blocks at most
+        ``timeout_s`` plus a few seconds; outcomes that arrive meanwhile wait for
+        :meth:`poll`. Never raises for the network's sake: the answer says what happened.
+        """
+        self._check_usable()
+        self._settled = None
+        try:
+            _send(self._cmd, ["settle", float(timeout_s)])
+        except OSError:
+            self._mark_dead("its command pipe broke")
+            return Settled(False, "the network process is gone")
+        deadline = time.monotonic() + timeout_s + 5.0
+        while self._settled is None and self._dead is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Settled(False, f"no answer within {timeout_s:.0f} s")
+            self._drain(left)
+        if self._settled is None:
+            return Settled(False, f"the network process died: {self._dead}")
+        return self._settled
+
     def refresh(self, timeout_s: float = 0.0) -> NodeStatus:
         """Read what the network process sent (waiting up to ``timeout_s`` for a first
         message) and return the latest :attr:`status`; outcomes wait for :meth:`poll`."""
@@ -650,6 +716,8 @@ class NetworkBridge:
                 self.stats.failed += 1
         elif kind in ("status", "info"):
             self._take_status(msg)
+        elif kind == "settled" and len(msg) == 3:
+            self._settled = Settled(bool(msg[1]), str(msg[2]))
         elif kind == "error":
             self._mark_dead(f"worker failed: {msg[1] if len(msg) > 1 else '?'}")
         else:

@@ -52,16 +52,25 @@ class RecordPublisher:
         self._published: tuple[int, ...] | None = None
         self._at = -float("inf")
 
-    async def publish_once(self) -> None:
-        """Build and announce the record now (errors logged)."""
+    async def publish_once(self) -> bool:
+        """Build and announce the record now; False when that failed (logged)."""
+        mark = self.versions()
         record = await self.make_record()
         try:
             await self.dht.announce_peer(record)
         except AtollError as e:
             logger.info("publishing the peer record failed: %s", e)
-            return
-        self._published = record.versions
+            return False
+        self._published = mark
         self._at = trio.current_time()
+        return True
+
+    async def publish_if_changed(self) -> bool:
+        """Publish now when the state changed since the last record; False when that
+        failed."""
+        if self.versions() == self._published:
+            return True
+        return await self.publish_once()
 
     async def run(self) -> None:
         """Republish on a change (at most every ``min_gap_s``) and before expiry, forever."""

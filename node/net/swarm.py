@@ -42,7 +42,7 @@ from atoll.dht.kad import AtollDHT
 from atoll.dht.records import PeerRecord
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
-from atoll.node.net.bridge import SharedFragments, SyncOutcome, post_status, serve
+from atoll.node.net.bridge import Settled, SharedFragments, SyncOutcome, post_status, serve
 from atoll.node.net.faults import parse_fault
 from atoll.node.net.host import AGENT, AtollHost, HostConfig, open_host
 from atoll.node.net.join import JoinFailed, join_swarm
@@ -121,7 +121,8 @@ class _Node:
             fault=fault,
             background=background,
         )
-        self.publisher = RecordPublisher(dht, self._record, self._versions)
+        self._changes = 0  # commits and imports so far: a record is due after each
+        self.publisher = RecordPublisher(dht, self._record, self._mark)
         self.status = NodeStatus(peer_id=host.peer_id, run_id=self.run_id)
         self.seen_tokens = 0
         self.tokens_per_s = 0.0
@@ -134,6 +135,7 @@ class _Node:
     def _changed(self, p: int, how: str) -> None:
         """A commit or an import changed fragment ``p``'s global copy (engine lock held)."""
         self.shared.global_(p)[:] = self.engine.global_params(p)
+        self._changes += 1
         self.tally.changed(p, self.engine.version(p), self.engine.digest(p), how)
 
     async def handle(self, p: int, step: int, tokens: int) -> SyncOutcome:
@@ -164,9 +166,53 @@ class _Node:
                 start = max(start, done.state_step)
         return start
 
+    async def settle(self, timeout_s: float) -> Settled:
+        """At the end of a run: rebase every fragment whose copy is not the one the
+        peers that answer follow, until all of them hold this node's copy of every
+        fragment (or ``timeout_s`` passes). Nodes that finish together all run this, so
+        they end on one global copy; each publishes its final record before it agrees."""
+        deadline = trio.current_time() + timeout_s
+        rebased = 0
+        differ: list[str] = []
+        with trio.move_on_at(deadline):
+            while True:
+                await self.peers.refresh()
+                for p in range(len(self.shared)):
+                    done = await self.syncer.catch_up(p)
+                    if done.rebased:
+                        rebased += 1
+                        self.tally.caught_up()
+                published = await self.publisher.publish_if_changed()
+                differ = self._disagreeing()
+                if published and not differ:
+                    n = len(self.peers.responsive())
+                    detail = f"{n} peers hold this node's copy of every fragment"
+                    return Settled(True, f"{detail} ({rebased} fragments rebased)")
+                await trio.sleep(1.0)
+        short = ", ".join(p[-6:] for p in differ) or "none"
+        return Settled(
+            False, f"after {timeout_s:.0f} s, peers on other copies: {short} ({rebased} rebased)"
+        )
+
+    def _disagreeing(self) -> list[str]:
+        """The responsive peers whose record shows another copy of some fragment."""
+        mine = [(self.engine.version(p), self.engine.digest(p)) for p in range(len(self.shared))]
+        out = []
+        for peer in self.peers.responsive():
+            r = self.peers.live[peer]
+            theirs = list(zip(r.versions, r.digests, strict=False))
+            if theirs != mine:
+                out.append(peer)
+        return out
+
     # -- the record and the status --------------------------------------------------------
     def _versions(self) -> tuple[int, ...]:
         return tuple(self.engine.version(p) for p in range(len(self.shared)))
+
+    def _mark(self) -> tuple[int, ...]:
+        """What a published record must reflect: the versions and the count of changes
+        (a rebase may keep the version and change the copy)."""
+        return (*self._versions(), self._changes)
 
     async def _record(self) -> PeerRecord:
         def build() -> PeerRecord:
@@ -295,6 +341,6 @@ async def swarm_worker(
         nursery.start_soon(node.publisher.run)
         nursery.start_soon(node.peers.watch, _PEERS_EVERY_S)
         nursery.start_soon(node.report)
-        await serve(inbox, outbox, node.handle)
+        await serve(inbox, outbox, node.handle, node.settle)
         node.post()
         nursery.cancel_scope.cancel()

@@ -38,6 +38,9 @@ def test_four_peers_train_and_hold_bit_identical_global_fragments(local_swarm: A
     # after every completed round, its members hold bit-identical global fragments
     assert swarm.agreeing_rounds(nodes)
     assert max(swarm.members_per_round(nodes).values()) == 4  # some round had all four
+    # nodes that finish together settle every fragment: they end on one global copy
+    assert all(n.summary["settled"] for n in nodes), [n.summary["settle_detail"] for n in nodes]
+    assert len({n.summary["global_digest"] for n in nodes}) == 1
 
 
 @pytest.mark.parametrize("point", ["start", "part_sent", "parts_sent"])

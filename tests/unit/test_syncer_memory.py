@@ -467,16 +467,22 @@ def test_a_healthy_swarm_with_split_views_never_applies_one_slot_twice() -> None
     _run(main)
 
 
-@pytest.mark.parametrize("sides", [((0, 1), (2, 3)), ((0, 1, 2), (3,))])
+@pytest.mark.parametrize(
+    ("sides", "jitter_s"),
+    [(((0, 1), (2, 3)), 0.0), (((0, 1, 2), (3,)), 0.0), (((0, 1), (2, 3)), 0.2)],
+)
 def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
-    sides: tuple[tuple[int, ...], ...],
+    sides: tuple[tuple[int, ...], ...], jitter_s: float
 ) -> None:
-    """A 2|2 and a 3|1 split: every side of at least the quorum commits each sync; after
-    healing one sync settles the copies (the rule picks one, the rest rebase) and the next
+    """A 2|2 and a 3|1 split (and a 2|2 with delayed, reordered messages): every side of
+    at least the quorum commits each sync; after healing one sync settles the copies (the rule picks one, the rest rebase) and the next
     sync is one group of everybody on one copy."""
 
     async def main() -> None:
-        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+        async with (
+            MemoryNetwork.open(run_id=RUN, delay_s=jitter_s / 4, reorder_s=jitter_s, seed=5) as net,
+            trio.open_nursery() as services,
+        ):
             _, nodes = await _swarm(net, services, 4)
             await _sync_nodes(nodes, 3, 0)
             assert len({n.state() for n in nodes}) == 1
