@@ -42,6 +42,7 @@ __all__ = [
     "local_providers",
     "local_value",
     "providers_from_peer",
+    "routing_table_closest",
     "routing_table_peer_ids",
     "routing_table_size",
     "send_add_provider",
@@ -132,6 +133,12 @@ INTERNALS: tuple[Internal, ...] = (
         "providers_from_peer",
     ),
     Internal(f"{_TABLE}.get_peer_ids", "method", ("self",), "routing_table_peer_ids"),
+    Internal(
+        f"{_TABLE}.find_local_closest_peers",
+        "method",
+        ("self", "key", "count"),
+        "routing_table_closest",
+    ),
     Internal(f"{_TABLE}.size", "method", ("self",), "routing_table_size"),
     Internal(f"{_TABLE}.peer_in_table", "method", ("self", "peer_id"), "in_routing_table"),
     Internal(
@@ -260,8 +267,22 @@ async def providers_from_peer(kad: KadDHT, peer: ID, key: bytes) -> list[PeerInf
 # -- routing ----------------------------------------------------------------------------------
 async def find_closest_peers(kad: KadDHT, target: bytes) -> list[ID]:
     """The (up to 20) peers closest to ``target`` in the network: an iterative FIND_NODE
-    lookup (``KadDHT.peer_routing.find_closest_peers_network``)."""
+    lookup (``KadDHT.peer_routing.find_closest_peers_network``).
+
+    The library bounds each query by its ``QUERY_TIMEOUT`` (10 s) and waits for every
+    query of a round before the next, so one silent peer holds a lookup up to that long
+    (or the host's stream negotiation timeout, if shorter); :mod:`atoll.dht.kad` bounds
+    the streams and the whole lookup itself, and falls back on
+    :func:`routing_table_closest`.
+    """
     return await kad.peer_routing.find_closest_peers_network(target)
+
+
+def routing_table_closest(kad: KadDHT, target: bytes, count: int) -> list[ID]:
+    """The (up to ``count``) peers of ``KadDHT.routing_table`` closest to ``target``
+    (``RoutingTable.find_local_closest_peers``): no network, what a lookup cut short
+    falls back on."""
+    return kad.routing_table.find_local_closest_peers(target, count)
 
 
 def routing_table_peer_ids(kad: KadDHT) -> list[ID]:

@@ -247,6 +247,9 @@ def test_dht_accessors_reach_a_real_kad_dht(host: BasicHost) -> None:
     assert dht_internals.in_routing_table(kad, provider.peer_id)
     assert dht_internals.routing_table_peer_ids(kad) == [provider.peer_id]
     assert dht_internals.routing_table_size(kad) == 1
+    target = b"\x12\x20" + bytes(32)  # a lookup target: a sha2-256 multihash
+    assert dht_internals.routing_table_closest(kad, target, 20) == [provider.peer_id]
+    assert dht_internals.routing_table_closest(kad, target, 0) == []
 
 
 # -- the rule: reach-ins only through the internals modules -------------------------------------
