@@ -210,6 +210,9 @@ class PeerRecord:
     """publisher's wall time at publication (seconds since the epoch)"""
     expires_at: float
     """publisher's wall time after which the record is void"""
+    training: bool = True
+    """False once its trainer stopped (the node settles or leaves): it still holds and
+    serves its global copy, but joins no more groups, so it counts toward no quorum"""
 
     def key(self) -> str:
         """The DHT key this record is stored under."""

@@ -6,9 +6,10 @@ of the run that has not expired, and what follows from them for a sync:
 - :meth:`PeerTracker.holdings`: ``(peer, version, digest)`` of a fragment, the input of
   the rule for which state the swarm follows (:mod:`atoll.protocol.statesync`);
 - :meth:`PeerTracker.group_settings`: the manifest's group settings for the peers that
-  answer now (see below): the most members capped at them, so a leader closes its group
-  as soon as every one has joined instead of waiting out the grace window, and the quorum
-  raised to a majority of them, so that two disjoint groups never apply one slot;
+  answer now and still train (see below): the most members capped at them, so a leader
+  closes its group as soon as every one has joined instead of waiting out the grace
+  window, and the quorum raised to a majority of them, so that two disjoint groups never
+  apply one slot;
 - :meth:`PeerTracker.watch`: refresh from the DHT every ``every_s``;
   :meth:`PeerTracker.wait_for`: wait until N other peers appeared (``--wait-peers``).
 
@@ -128,13 +129,18 @@ class PeerTracker:
         last heard."""
         return [p for p in self.live if not self.liveness.silent(p)]
 
+    def trainers(self) -> list[str]:
+        """The responsive peers still training (a node that settles at the end of its run
+        holds its copy but joins no more groups)."""
+        return [p for p in self.responsive() if self.live[p].training]
+
     def group_settings(self) -> GroupSettings:
         """The group settings for the responsive peers (see the module docstring): the
         most members capped at them, the quorum raised to their majority."""
         group = self.group
         if not self.live:
             return group
-        n = 1 + len(self.responsive())
+        n = 1 + len(self.trainers())
         size = max(group.min_quorum, min(group.max_size, n))
         quorum = group.min_quorum
         if quorum >= 2 and n // 2 + 1 <= size:

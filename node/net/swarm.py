@@ -122,6 +122,8 @@ class _Node:
             background=background,
         )
         self._changes = 0  # commits and imports so far: a record is due after each
+        self.training = True
+        """False once the trainer stopped (published in the record)"""
         self.publisher = RecordPublisher(dht, self._record, self._mark)
         self.status = NodeStatus(peer_id=host.peer_id, run_id=self.run_id)
         self.seen_tokens = 0
@@ -169,9 +171,19 @@ class _Node:
     async def settle(self, timeout_s: float) -> Settled:
         """At the end of a run: rebase every fragment whose copy is not the one the
         peers that answer follow, until all of them hold this node's copy of every
-        fragment (or ``timeout_s`` passes). Nodes that finish together all run this, so
-        they end on one global copy; each publishes its final record before it agrees."""
-        deadline = trio.current_time() + timeout_s
+        fragment (or ``timeout_s`` passes).
+
+        The node first publishes that it no longer trains (it stops counting toward
+        quorums). Nodes that finish together all run this, so they end on one global
+        copy. Peers still training are waited for one sync's time (matchmaking and a
+        round: their last sync may still change the copy); after that the node settles
+        with the peers that finished, and says so.
+        """
+        start = trio.current_time()
+        deadline = start + timeout_s
+        patience = self.syncer.timeouts.matchmaking_s + self.syncer.timeouts.round_s
+        self.training = False
+        await self.publisher.publish_once()
         rebased = 0
         differ: list[str] = []
         with trio.move_on_at(deadline):
@@ -184,10 +196,18 @@ class _Node:
                         self.tally.caught_up()
                 published = await self.publisher.publish_if_changed()
                 differ = self._disagreeing()
+                finished = [p for p in differ if not self.peers.live[p].training]
+                training = len(differ) - len(finished)
                 if published and not differ:
                     n = len(self.peers.responsive())
                     detail = f"{n} peers hold this node's copy of every fragment"
                     return Settled(True, f"{detail} ({rebased} fragments rebased)")
+                if published and not finished and trio.current_time() - start > patience:
+                    return Settled(
+                        True,
+                        f"the peers that finished hold this node's copy ({rebased} fragments"
+                        f" rebased); {training} peers still train on",
+                    )
                 await trio.sleep(1.0)
         short = ", ".join(p[-6:] for p in differ) or "none"
         return Settled(
@@ -228,6 +248,7 @@ class _Node:
                 True,
                 now,
                 now + RECORD_TTL_S,
+                self.training,
             )
 
         return await self.syncer.engine_call(build)

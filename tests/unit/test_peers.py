@@ -1,0 +1,96 @@
+"""PeerTracker: who counts toward a group (records, contact, training) and the majority rule."""
+
+from __future__ import annotations
+
+import trio
+
+from atoll.dht.records import PeerRecord
+from atoll.node.net.peers import PeerTracker
+from atoll.protocol.liveness import Liveness
+from atoll.protocol.manifest import GroupSettings
+
+RUN = "ab" * 32
+NOW = 1_000.0
+
+
+def _record(peer: str, *, version: int = 0, training: bool = True, ttl: float = 60.0) -> PeerRecord:
+    return PeerRecord(
+        peer,
+        RUN,
+        (),
+        "atoll/test",
+        0.0,
+        (version,),
+        (f"d{version}",),
+        True,
+        NOW,
+        NOW + ttl,
+        training,
+    )
+
+
+class _Directory:
+    def __init__(self, records: list[PeerRecord]) -> None:
+        self.records = records
+
+    async def find_peers(self) -> list[PeerRecord]:
+        await trio.lowlevel.checkpoint()
+        return self.records
+
+
+def _tracker(records: list[PeerRecord], group: GroupSettings) -> PeerTracker:
+    tracker = PeerTracker("me", group, directory=_Directory(records), wall=lambda: NOW)
+    tracker.note(records)
+    return tracker
+
+
+def test_the_quorum_is_a_majority_of_the_peers_that_answer_and_train() -> None:
+    peers = [f"p{i}" for i in range(5)]
+    tracker = _tracker([_record(p) for p in peers], GroupSettings(2, 8, 1.0))
+    assert tracker.group_settings() == GroupSettings(4, 6, 1.0)  # 6 peers: 4 of them
+    tracker.liveness.failed("p0", 0.0)
+    tracker.liveness.failed("p1", 0.0)
+    assert tracker.responsive() == ["p2", "p3", "p4"]
+    assert tracker.group_settings() == GroupSettings(3, 4, 1.0)  # 4 answer: 3 of them
+    # a silent peer stays out after its hold passed, until it is heard again
+    assert not tracker.liveness.suspected("p0", 100.0) and tracker.liveness.silent("p0")
+    tracker.liveness.heard("p0", 100.0)
+    assert tracker.group_settings() == GroupSettings(3, 5, 1.0)
+    # a peer that settles at the end of its run holds its copy but counts toward no quorum
+    tracker.note([_record("p2", training=False)])
+    assert "p2" in tracker.responsive() and "p2" not in tracker.trainers()
+    assert tracker.group_settings() == GroupSettings(3, 4, 1.0)
+    assert ("p2", 0, "d0") in tracker.holdings(0)
+
+
+def test_holdings_leave_out_peers_that_do_not_answer() -> None:
+    tracker = _tracker([_record("a", version=3), _record("b", version=5)], GroupSettings())
+    tracker.liveness.failed("b", 0.0, "cut off")
+    assert tracker.holdings(0) == [("a", 3, "d3")]
+    assert tracker.liveness.suspects(1.0) == {"b": "cut off"}
+
+
+def test_quorum_one_and_swarms_too_large_for_a_majority_keep_the_manifest_quorum() -> None:
+    lone = _tracker([_record("a"), _record("b")], GroupSettings(1, 8, 1.0))
+    assert lone.group_settings().min_quorum == 1
+    big = _tracker([_record(f"p{i}") for i in range(19)], GroupSettings(2, 8, 1.0))
+    assert big.group_settings() == GroupSettings(2, 8, 1.0)  # 20 peers: 11 > 8
+    mid = _tracker([_record(f"p{i}") for i in range(9)], GroupSettings(2, 8, 1.0))
+    assert mid.group_settings() == GroupSettings(6, 8, 1.0)  # 10 peers: 6 fit in 8
+
+
+def test_liveness_holds_double_and_cap() -> None:
+    live = Liveness(hold_s=5.0, max_hold_s=12.0)
+    live.failed("x", 0.0)
+    assert live.suspected("x", 4.9) and not live.suspected("x", 5.0)
+    live.failed("x", 3.0)  # still held: no extension
+    assert not live.suspected("x", 5.0)
+    live.failed("x", 5.0)  # second failure in a row: 10 s
+    assert live.suspected("x", 14.9) and not live.suspected("x", 15.0)
+    live.failed("x", 15.0)  # capped at 12 s
+    assert live.suspected("x", 26.9) and not live.suspected("x", 27.0)
+    live.heard("x", 30.0)
+    assert not live.silent("x") and live.heard_at("x") == 30.0
+    live.failed("x", 31.0)  # the doubling starts over
+    assert not live.suspected("x", 36.0)
+    assert live.suspicions == 4
