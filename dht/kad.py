@@ -44,7 +44,8 @@ copy, its own included.
 
 What is used of the library, and what not. Its server side (the stream handler, the
 value and provider stores), its routing table and its iterative FIND_NODE lookup
-(``find_closest_peers_network``) are used as they are, and so are its one-peer RPCs
+(``find_closest_peers_network``, its streams bounded by the host proxy, see "Timeouts and
+failures") are used as they are, and so are its one-peer RPCs
 (``_store_at_peer``, ``_get_from_peer``, ``_send_add_provider``,
 ``_get_providers_from_peer_with_closers``: private names). Every such reach-in, the
 stores and the routing table included, goes through :mod:`atoll.dht.libp2p_internals`,
@@ -75,26 +76,67 @@ The validator needs no run of its own: a record is checked against its key, whos
 must begin the record's run id. This is what ``atoll bootstrap`` runs, for the peers of
 whatever runs an organisation hosts.
 
-Timeouts (``timeout_s``, 10 s by default) and failures
---------------------------------------------------------
+Timeouts and failures
+---------------------
+Two bounds: ``timeout_s`` (10 s by default) for a whole operation, and ``rpc_timeout_s``
+(by default ``min(3, timeout_s / 2)``) for one request to one peer. A peer whose link
+dropped silently (it neither answers nor refuses) would otherwise hold every operation to
+its end; here it costs one request's bound, once, and is skipped while it is suspected.
+
+- Liveness: each outcome is noted in the node's :class:`~atoll.protocol.liveness.Liveness`
+  (:attr:`AtollDHT.liveness`, shared with its round drivers; times on
+  ``trio.current_time()``). Heard: a stream of :data:`DHT_PROTOCOL` to the peer opened
+  (opening one needs the peer's own answer, the protocol negotiation), or the peer opened
+  one here. Failed: a stream that did not open (refused, unreachable, not within
+  ``rpc_timeout_s``), or a request with no answer within ``rpc_timeout_s``; the peer is
+  then suspected for a hold that doubles with each failure in a row. The library's
+  one-peer requests return the same False, None or [] for "refused", "had none" and
+  "failed" and raise nothing; a refused connection (a process gone) fails at once, a
+  silent peer when its bound runs out, and both count as failed.
+- Every one-peer request (store, read, provider announcement, provider list, and the
+  stream opening inside each, a lookup's queries included) is bounded by
+  ``rpc_timeout_s``.
+- The closest peers: the library's iterative FIND_NODE lookup waits in each round for
+  every peer it queried, up to its 10 s query timeout (or the host's stream negotiation
+  timeout, when shorter), so one silent peer held up every lookup. Here its streams are
+  bounded by ``rpc_timeout_s``; a peer that failed and has not answered since
+  (:meth:`~atoll.protocol.liveness.Liveness.silent`) is refused at once (the library then
+  drops it from the routing table; it comes back at its next answer); and the whole
+  lookup is bounded by ``min(timeout_s, 2 * rpc_timeout_s)``, past which the routing
+  table's closest peers are used. Suspected peers are then left out of the peers asked,
+  unless every one is suspected (better a probe than nobody). Once its hold has passed, a
+  silent peer is asked again by stores and reads, never by lookups, until it answers.
+- Writes, :meth:`~AtollDHT.put` and the provider announcements of
+  :meth:`~AtollDHT.announce_ready` and :meth:`~AtollDHT.announce_peer`: all the closest
+  peers asked are sent the record (10 at a time), and the write is done once a majority of
+  them (more than half: 2 of 3, 3 of 4 or 5, 11 of 20) took it; the other requests go on
+  in the background, each within ``rpc_timeout_s``, so that their peers' liveness is still
+  learned. A majority rather than a fixed count: a write and a read each at a majority of
+  the same peers share at least one, so a reader hears of the newest record; and in a
+  swarm of four a majority of the other three (two) leaves room for one silent peer,
+  where ``min(3, n)`` would wait for it. Raises
+  :class:`~atoll.protocol.errors.ExchangeTimeout` only when ``timeout_s`` ran out before
+  the quorum and before every asked peer was done (the record is then held here and
+  maybe by some peers). When every asked peer is done with fewer than a quorum (they
+  refused or failed), that is logged; a node with no peer keeps and serves its record.
+- Reads, :meth:`~AtollDHT.get`: the closest peers are asked at once, and the read is done
+  when every one answered or failed, or once a majority of them gave a valid record and a
+  grace of ``min(0.2 s, rpc_timeout_s / 4)`` more passed for answers in flight. Returns
+  the newest valid record heard of by then (this node's store included), else ``None``
+  when the peers that answered had none; raises
+  :class:`~atoll.protocol.errors.ExchangeTimeout` when ``timeout_s`` ran out first or none
+  of the peers answered, :class:`~atoll.protocol.errors.PeerUnavailable` when there was no
+  peer to ask.
+- :meth:`~AtollDHT.find_ready` and :meth:`~AtollDHT.find_peers`: the provider lists of
+  the closest peers (and this node's own), done when every asked peer answered or failed
+  (errors as for ``get`` when no provider was found); then each provider's record, 8 at a
+  time, all within another ``timeout_s``: asked of the provider itself within
+  ``rpc_timeout_s`` (not at all when it is suspected: the provider may be the silent
+  peer), else read from the DHT as ``get`` does. At most ``2 * timeout_s`` in all;
+  records not fetched by then are left out.
 - :meth:`~AtollDHT.bootstrap`: each address, dial and protocol check, within
-  ``timeout_s``; then one lookup of this node's own id to fill the table, within
-  ``timeout_s``. Failures are counted, not raised.
-- :meth:`~AtollDHT.put`: the closest-peer lookup and the stores (up to 20 peers, 10 at
-  a time), within ``timeout_s``, else :class:`~atoll.protocol.errors.ExchangeTimeout`
-  (the record is then held here and maybe by some peers). A node with no peer keeps and
-  serves its record; how many peers took it is logged.
-- :meth:`~AtollDHT.get`: the lookup and the reads of up to 20 closest peers, within
-  ``timeout_s``; returns the newest valid record heard of by then, else ``None`` when the
-  peers had none, :class:`~atoll.protocol.errors.ExchangeTimeout` when time ran out first
-  and :class:`~atoll.protocol.errors.PeerUnavailable` when there was no peer to ask.
-- :meth:`~AtollDHT.announce_ready` and :meth:`~AtollDHT.announce_peer` (a ready topic,
-  the run's peers topic): :meth:`~AtollDHT.put`, then the provider announcement, each
-  within ``timeout_s``.
-- :meth:`~AtollDHT.find_ready` and :meth:`~AtollDHT.find_peers`: the provider lookup
-  within ``timeout_s`` (errors as for ``get`` when it finds no provider), then the
-  records, fetched 8 at a time, all within another ``timeout_s``: at most
-  ``2 * timeout_s`` in all; records not fetched by then are left out.
+  ``timeout_s``; then one lookup of this node's own id (as above), within ``timeout_s``.
+  Failures are counted, not raised.
 
 Limits the library sets: a serving peer keeps at most 20 providers per key (the first to
 announce), accepts at most 10 ADD_PROVIDER per peer per 10 s, keeps 50,000 values; a
@@ -109,10 +151,11 @@ right after the host starts.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, cast
 
@@ -120,6 +163,7 @@ import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream, IPeerStore
 from libp2p.custom_types import StreamHandlerFn, TProtocol
+from libp2p.host.exceptions import StreamFailure
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
@@ -128,7 +172,7 @@ from libp2p.peer.peerstore import PeerStoreError
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
-from atoll.dht import libp2p_internals
+from atoll.dht import libp2p_internals, quorum
 from atoll.dht.directory import Clock
 from atoll.dht.keys import (
     NAMESPACE,
@@ -140,6 +184,7 @@ from atoll.dht.keys import (
     ready_topic,
 )
 from atoll.dht.libp2p_internals import LIBRARY_PROTOCOL
+from atoll.dht.quorum import Reply, Tally
 from atoll.dht.records import (
     DEFAULT_MAX_SKEW_S,
     PeerRecord,
@@ -161,6 +206,7 @@ from atoll.protocol.errors import (
     RetryableError,
     unwrap_lone,
 )
+from atoll.protocol.liveness import Liveness
 
 __all__ = ["DHT_PROTOCOL", "AtollDHT"]
 
@@ -171,10 +217,19 @@ DHT_PROTOCOL: TProtocol = TProtocol("/atoll/kad/1.0.0")
 
 _NOT_ATOLL_DHT = "/atoll/kad/not-served"  # what the routing table's check reads for a non-server
 _QUERY_CONCURRENCY = 10  # peers asked at once in one lookup (Kademlia's alpha, as the library)
+_CLOSEST = 20  # peers a lookup keeps (Kademlia's k, as the library)
+_MAX_RPC_TIMEOUT_S = 3.0  # the default bound of one request to one peer, at most
+_READ_GRACE_S = 0.2  # how long a read at its quorum still waits for answers in flight
+_LEFT_OUT = "left out of lookups"  # the refusal of a silent peer's lookup stream
 _FETCH_CONCURRENCY = 8  # providers' records fetched at once by find_ready and find_peers
 _PROVIDER_ADDR_TTL_S = 600  # how long a provider's addresses stay in the peerstore
 
 _R = TypeVar("_R", bound=Record)  # a record kind: PeerRecord, ReadyRecord, StateRecord
+_T = TypeVar("_T")
+
+_IN_LOOKUP: contextvars.ContextVar[bool] = contextvars.ContextVar("atoll_dht_lookup", default=False)
+"""True in the task of an iterative lookup (:meth:`AtollDHT._lookup`) and the tasks the
+library starts for it: :class:`_KadHost` then refuses streams to silent peers."""
 
 
 # -- the host as KadDHT sees it -----------------------------------------------------------------
@@ -205,12 +260,24 @@ class _KadHost:
     """The host handed to ``KadDHT``: /ipfs/kad/1.0.0 becomes :data:`DHT_PROTOCOL` on the
     wire; everything else is the real host's.
 
+    Every stream of :data:`DHT_PROTOCOL` the library opens (a request of atoll's, a lookup
+    query, a ping of the routing table) is bounded by ``rpc_timeout_s`` and tells
+    ``liveness`` how the peer did: opened, heard; refused, unreachable or timed out,
+    failed (a :class:`~libp2p.host.exceptions.StreamFailure` goes to the library, which
+    treats it as any failed stream). Opening a stream needs the peer's own answer (the
+    protocol negotiation), so an opened stream proves the peer's process answers. In a
+    lookup, a peer that failed and has not answered since
+    (:meth:`~atoll.protocol.liveness.Liveness.silent`) is refused at once. A stream of
+    :data:`DHT_PROTOCOL` that a peer opens here marks it heard too.
+
     ``on_dht_stream`` hears of every peer that accepted a stream of :data:`DHT_PROTOCOL`.
     """
 
-    def __init__(self, host: IHost) -> None:
+    def __init__(self, host: IHost, liveness: Liveness, rpc_timeout_s: float) -> None:
         self._host = host
         self._peerstore = _KadPeerstore(host.get_peerstore())
+        self._liveness = liveness
+        self._rpc_timeout_s = rpc_timeout_s
         self.on_dht_stream: Callable[[ID], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -222,13 +289,48 @@ class _KadHost:
 
     async def new_stream(self, peer_id: ID, protocol_ids: Sequence[TProtocol]) -> INetStream:
         wire = [_wire(p) for p in protocol_ids]
-        stream = await self._host.new_stream(peer_id, wire)
-        if DHT_PROTOCOL in wire and self.on_dht_stream is not None:
+        if DHT_PROTOCOL not in wire:
+            return await self._host.new_stream(peer_id, wire)
+        peer = str(peer_id)
+        if _IN_LOOKUP.get() and self._liveness.silent(peer):
+            raise StreamFailure(f"peer {peer} is {_LEFT_OUT} until it answers again")
+        try:
+            with trio.fail_after(self._rpc_timeout_s):
+                stream = await self._host.new_stream(peer_id, wire)
+        except trio.TooSlowError:
+            reason = f"no DHT stream within {self._rpc_timeout_s:g} s"
+            self._liveness.failed(peer, trio.current_time(), reason)
+            raise StreamFailure(f"peer {peer}: {reason}") from None
+        except Exception as e:
+            reason = f"no DHT stream: {_describe(e)}"
+            self._liveness.failed(peer, trio.current_time(), reason)
+            raise
+        self._liveness.heard(peer, trio.current_time())
+        if self.on_dht_stream is not None:
             self.on_dht_stream(peer_id)
         return stream
 
     def set_stream_handler(self, protocol_id: TProtocol, stream_handler: StreamHandlerFn) -> None:
-        self._host.set_stream_handler(_wire(protocol_id), stream_handler)
+        wire = _wire(protocol_id)
+        if wire == DHT_PROTOCOL:
+            stream_handler = self._hearing(stream_handler)
+        self._host.set_stream_handler(wire, stream_handler)
+
+    def _hearing(self, handler: StreamHandlerFn) -> StreamHandlerFn:
+        """``handler``, after noting that the stream's peer is heard (it just opened a
+        stream, negotiation and all)."""
+        liveness = self._liveness
+
+        async def handle(stream: INetStream) -> None:
+            try:
+                peer = str(stream.muxed_conn.peer_id)
+            except AttributeError:  # a stream without a connection: nothing to note
+                peer = ""
+            if peer:
+                liveness.heard(peer, trio.current_time())
+            await handler(stream)
+
+        return handle
 
     def remove_stream_handler(self, protocol_id: TProtocol) -> None:
         self._host.remove_stream_handler(_wire(protocol_id))
@@ -282,7 +384,9 @@ class AtollDHT:
         signer: RecordSigner,
         clock: Clock,
         timeout_s: float,
+        rpc_timeout_s: float,
         max_skew_s: float,
+        liveness: Liveness,
         nursery: trio.Nursery,
     ) -> None:
         self._host = host
@@ -292,7 +396,11 @@ class AtollDHT:
         self._signer = signer
         self._clock = clock
         self._timeout_s = timeout_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._lookup_timeout_s = min(timeout_s, 2 * rpc_timeout_s)
+        self._grace_s = min(_READ_GRACE_S, rpc_timeout_s / 4)
         self._max_skew_s = max_skew_s
+        self._liveness = liveness
         self._nursery = nursery
         self._admitting: set[ID] = set()
 
@@ -309,6 +417,8 @@ class AtollDHT:
         bootstrap: Sequence[str] = (),
         timeout_s: float = 10.0,
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
+        liveness: Liveness | None = None,
+        rpc_timeout_s: float | None = None,
     ) -> AsyncIterator[AtollDHT]:
         """Run atoll's DHT on ``host`` (a started py-libp2p host) until the block exits.
 
@@ -318,13 +428,17 @@ class AtollDHT:
         how many answered is logged, and a node that reached none still starts (retrying
         is the caller's). ``verifier`` and ``clock`` check every record this node stores
         or reads; ``signer`` seals what it publishes. ``timeout_s`` bounds each network
-        operation (see the module docstring); ``max_skew_s`` is the wall-clock skew
-        allowed between peers (:mod:`atoll.dht.records`). ``run_id`` None starts a
-        run-agnostic DHT that serves and reads every run's records and publishes none (see
-        the module docstring).
+        operation and ``rpc_timeout_s`` (by default ``min(3, timeout_s / 2)``, at most
+        ``timeout_s``) each request to one peer (see the module docstring); ``max_skew_s``
+        is the wall-clock skew allowed between peers (:mod:`atoll.dht.records`).
+        ``liveness`` is the node's record of which peers answer, shared with its round
+        drivers (a private one when None); the DHT notes in it, on ``trio.current_time()``,
+        every peer that answered or failed, and does not ask suspected peers. ``run_id``
+        None starts a run-agnostic DHT that serves and reads every run's records and
+        publishes none (see the module docstring).
 
-        Raises ``ConfigError`` for a malformed run id, timeout, skew or address. An
-        exception leaving the block comes out as raised, not wrapped in the exception
+        Raises ``ConfigError`` for a malformed run id, timeout, skew, address or liveness.
+        An exception leaving the block comes out as raised, not wrapped in the exception
         groups of the nurseries inside.
         """
         if run_id is not None:
@@ -337,8 +451,21 @@ class AtollDHT:
                 raise ConfigError(f"AtollDHT {name} must be a number, not {value!r}")
             if not math.isfinite(value) or value < 0 or (name == "timeout_s" and value == 0):
                 raise ConfigError(f"AtollDHT {name} must be finite and > 0, not {value}")
+        if rpc_timeout_s is None:
+            rpc_timeout_s = min(_MAX_RPC_TIMEOUT_S, timeout_s / 2)
+        if isinstance(rpc_timeout_s, bool) or not isinstance(rpc_timeout_s, int | float):
+            raise ConfigError(f"AtollDHT rpc_timeout_s must be a number, not {rpc_timeout_s!r}")
+        if not 0 < rpc_timeout_s <= timeout_s:
+            raise ConfigError(
+                f"AtollDHT rpc_timeout_s must be > 0 and <= timeout_s ({timeout_s}),"
+                f" not {rpc_timeout_s}"
+            )
+        if liveness is None:
+            liveness = Liveness()
+        elif not isinstance(liveness, Liveness):
+            raise ConfigError(f"AtollDHT liveness must be a Liveness, not {liveness!r:.40}")
         _configure_logging()
-        kad_host = _KadHost(host)
+        kad_host = _KadHost(host, liveness, float(rpc_timeout_s))
         validator = NamespacedValidator(
             {NAMESPACE: _RecordValidator(verifier, clock, float(max_skew_s))},
             strict_validation=True,
@@ -363,7 +490,9 @@ class AtollDHT:
                     signer=signer,
                     clock=clock,
                     timeout_s=float(timeout_s),
+                    rpc_timeout_s=float(rpc_timeout_s),
                     max_skew_s=float(max_skew_s),
+                    liveness=liveness,
                     nursery=nursery,
                 )
                 kad_host.on_dht_stream = dht._admit_soon
@@ -400,6 +529,17 @@ class AtollDHT:
         """The run whose topics this node announces and searches; None for a run-agnostic
         (serving-only) DHT."""
         return self._run_id
+
+    @property
+    def liveness(self) -> Liveness:
+        """Which peers answered or failed this node's requests (shared, if one was given
+        to :meth:`start`); times on ``trio.current_time()``."""
+        return self._liveness
+
+    @property
+    def rpc_timeout_s(self) -> float:
+        """The bound of one request to one peer."""
+        return self._rpc_timeout_s
 
     def routing_table_peers(self) -> list[str]:
         """The peer ids in the routing table (atoll DHT servers only), sorted."""
@@ -438,8 +578,7 @@ class AtollDHT:
             for info in infos:
                 nursery.start_soon(join, info)
         if answered:
-            with trio.move_on_after(self._timeout_s):
-                await libp2p_internals.find_closest_peers(self._kad, self._host.get_id().to_bytes())
+            await self._lookup(self._host.get_id().to_bytes(), self._timeout_s)
         logger.info(
             "DHT bootstrap: %d of %d peers answered; routing table holds %d",
             answered,
@@ -456,8 +595,9 @@ class AtollDHT:
         breaks a rule (expired or from the future on this clock, sealed by another peer
         than the record's, too large...); ``ConfigError`` when it is of another run (or
         this DHT is of none), or a newer record is already published here under its key
-        (issue a fresh one); :class:`~atoll.protocol.errors.ExchangeTimeout` when storing
-        takes over ``timeout_s``.
+        (issue a fresh one); :class:`~atoll.protocol.errors.ExchangeTimeout` when
+        ``timeout_s`` ran out before a quorum of the closest peers stored it (see the module
+        docstring).
         """
         self._check_own_run(record)
         value = encode_value(record, self._signer)
@@ -483,34 +623,33 @@ class AtollDHT:
         # The library would republish every locally put key each 22 h; atoll records live
         # minutes and their publisher issues fresh ones.
         libp2p_internals.keep_local_value(self._kad, key_bytes, value)
-        stored = 0
-        peers: list[ID] = []
-        limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
 
-        async def store(peer: ID) -> None:
-            nonlocal stored
-            async with limiter:
-                if await libp2p_internals.store_at_peer(self._kad, peer, key_bytes, value):
-                    stored += 1
+        async def store(peer: ID) -> Reply[bool]:
+            since = trio.current_time()
+            if await libp2p_internals.store_at_peer(self._kad, peer, key_bytes, value):
+                return Reply(True)
+            return self._nothing_from(peer, since)
 
         start = trio.current_time()
-        with trio.move_on_after(self._timeout_s) as scope:
-            peers = await self._closest(key)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(store, peer)
-        if scope.cancelled_caught:
+        peers = await self._closest(key)
+        tally = await self._ask(
+            peers, store, need=quorum.majority(len(peers)), deadline=start + self._timeout_s
+        )
+        stored = len(tally.values)
+        if tally.timed_out:
             raise ExchangeTimeout(
                 f"storing {key} took over {self._timeout_s} s: kept here and at {stored} of"
-                f" {len(peers)} closest peers"
+                f" {len(peers)} closest peers (a quorum is {tally.need})"
             )
-        level = logging.DEBUG if stored or not peers else logging.INFO
+        level = logging.DEBUG if tally.reached else logging.INFO
         logger.log(
             level,
-            "put %s: kept here and at %d of %d closest peers (%.3f s)",
+            "put %s: kept here and at %d of %d closest peers, a quorum of %d%s (%.3f s)",
             key,
             stored,
             len(peers),
+            tally.need,
+            f"; {tally.pending} more under way" if tally.pending else "",
             trio.current_time() - start,
         )
 
@@ -519,12 +658,14 @@ class AtollDHT:
 
         Asks the peers closest to ``key`` (and looks in this node's own store), validates
         every answer on the injected clock (seal, signer, key, expiry) and returns the
-        newest valid one, or ``None`` when nobody had one. Never a cached answer.
+        newest valid one, or ``None`` when nobody had one. Never a cached answer. Done
+        when every peer asked answered or failed, or a majority of them gave a valid
+        record and a short grace passed (see the module docstring).
 
         Raises ``ConfigError`` when ``key`` is not a record key;
-        :class:`~atoll.protocol.errors.ExchangeTimeout` when ``timeout_s`` ran out before
-        any valid record was heard of; :class:`~atoll.protocol.errors.PeerUnavailable` when
-        there was no peer to ask.
+        :class:`~atoll.protocol.errors.ExchangeTimeout` when ``timeout_s`` ran out, or no
+        peer asked answered, before any valid record was heard of;
+        :class:`~atoll.protocol.errors.PeerUnavailable` when there was no peer to ask.
         """
         try:
             parse_key(key)
@@ -538,8 +679,8 @@ class AtollDHT:
 
         Raises as :meth:`put` does, ``ConfigError`` when ``record`` is not a
         :class:`~atoll.dht.records.ReadyRecord` of this node, and
-        :class:`~atoll.protocol.errors.ExchangeTimeout` when the announcement takes over
-        ``timeout_s``.
+        :class:`~atoll.protocol.errors.ExchangeTimeout` when ``timeout_s`` ran out before
+        a quorum of the closest peers took the announcement.
         """
         record = self._own_record(record, ReadyRecord, "announce_ready")
         await self.put(record)
@@ -559,8 +700,8 @@ class AtollDHT:
 
         Raises ``ConfigError`` for a bad fragment, slot or limit; when no provider was
         found, :class:`~atoll.protocol.errors.ExchangeTimeout` if the provider lookup ran
-        out of time and :class:`~atoll.protocol.errors.PeerUnavailable` if there was no
-        peer to ask.
+        out of time or no peer asked answered, and
+        :class:`~atoll.protocol.errors.PeerUnavailable` if there was no peer to ask.
         """
         return await self._find(
             ReadyRecord,
@@ -580,8 +721,8 @@ class AtollDHT:
 
         Raises as :meth:`put` does, ``ConfigError`` when ``record`` is not a
         :class:`~atoll.dht.records.PeerRecord` of this node, and
-        :class:`~atoll.protocol.errors.ExchangeTimeout` when the announcement takes over
-        ``timeout_s``.
+        :class:`~atoll.protocol.errors.ExchangeTimeout` when ``timeout_s`` ran out before
+        a quorum of the closest peers took the announcement.
         """
         record = self._own_record(record, PeerRecord, "announce_peer")
         await self.put(record)
@@ -599,8 +740,8 @@ class AtollDHT:
 
         Raises ``ConfigError`` for a bad limit or a run-agnostic DHT; when no provider was
         found, :class:`~atoll.protocol.errors.ExchangeTimeout` if the provider lookup ran
-        out of time and :class:`~atoll.protocol.errors.PeerUnavailable` if there was no
-        peer to ask.
+        out of time or no peer asked answered, and
+        :class:`~atoll.protocol.errors.PeerUnavailable` if there was no peer to ask.
         """
         return await self._find(
             PeerRecord,
@@ -637,8 +778,9 @@ class AtollDHT:
 
     async def _provide(self, topic: str, what: str) -> None:
         """Announce this node as a provider of ``topic``: kept in its own provider store,
-        told to the closest peers within ``timeout_s`` (else ExchangeTimeout). ``what``
-        names the announcement in errors and logs."""
+        told to the closest peers, done once a quorum of them took it (else ExchangeTimeout
+        when ``timeout_s`` ran out first). ``what`` names the announcement in errors and
+        logs."""
         topic_bytes = topic.encode("utf-8")
         # kept here too, and not put in providing_keys: the library would republish it
         # every 22 h, and atoll's announcements last as long as their records (a ready
@@ -646,28 +788,34 @@ class AtollDHT:
         libp2p_internals.add_local_provider(
             self._kad, topic_bytes, PeerInfo(self._host.get_id(), self._host.get_addrs())
         )
-        reached = 0
-        peers: list[ID] = []
-        limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
 
-        async def tell(peer: ID) -> None:
-            nonlocal reached
-            async with limiter:
-                if await libp2p_internals.send_add_provider(self._kad, peer, topic_bytes):
-                    reached += 1
+        async def tell(peer: ID) -> Reply[bool]:
+            since = trio.current_time()
+            if await libp2p_internals.send_add_provider(self._kad, peer, topic_bytes):
+                return Reply(True)
+            return self._nothing_from(peer, since)
 
-        with trio.move_on_after(self._timeout_s) as scope:
-            peers = await self._closest(topic)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(tell, peer)
-        if scope.cancelled_caught:
+        start = trio.current_time()
+        peers = await self._closest(topic)
+        tally = await self._ask(
+            peers, tell, need=quorum.majority(len(peers)), deadline=start + self._timeout_s
+        )
+        told = len(tally.values)
+        if tally.timed_out:
             raise ExchangeTimeout(
                 f"announcing {what} took over {self._timeout_s} s"
-                f" (told {reached} of {len(peers)} closest peers)"
+                f" (told {told} of {len(peers)} closest peers, a quorum is {tally.need})"
             )
-        if not reached:
+        if not told:
             logger.info("%s: no peer took the announcement (kept here)", what)
+        elif not tally.reached:
+            logger.info(
+                "%s: told %d of %d closest peers, fewer than a quorum of %d",
+                what,
+                told,
+                len(peers),
+                tally.need,
+            )
 
     async def _find(
         self,
@@ -762,11 +910,67 @@ class AtollDHT:
         return False
 
     async def _closest(self, key: str) -> list[ID]:
-        """The (up to 20) peers closest to ``key`` in the network, this node excluded: an
-        iterative FIND_NODE lookup of :func:`_lookup_target` of the key."""
-        closest = await libp2p_internals.find_closest_peers(self._kad, _lookup_target(key))
+        """The (up to 20) peers closest to ``key`` in the network to ask now, this node
+        excluded: an iterative FIND_NODE lookup of :func:`_lookup_target` of the key (see
+        :meth:`_lookup`), less the suspected peers (all of them if every one is)."""
+        closest = await self._lookup(_lookup_target(key), self._lookup_timeout_s)
         own_id = self._host.get_id()
-        return [p for p in closest if p != own_id]
+        return quorum.skip_suspected(
+            [p for p in closest if p != own_id], self._liveness, trio.current_time()
+        )
+
+    async def _lookup(self, target: bytes, bound: float) -> list[ID]:
+        """The library's iterative lookup of ``target``, that leaves out silent peers
+        (:data:`_IN_LOOKUP`), within ``bound`` seconds; past that, the routing table's
+        closest peers."""
+        found: list[ID] = []
+        token = _IN_LOOKUP.set(True)
+        try:
+            with trio.move_on_after(bound) as scope:
+                found = await libp2p_internals.find_closest_peers(self._kad, target)
+        finally:
+            _IN_LOOKUP.reset(token)
+        if scope.cancelled_caught:
+            found = libp2p_internals.routing_table_closest(self._kad, target, _CLOSEST)
+            logger.info(
+                "a lookup took over %s s: asking the routing table's %d closest peers",
+                bound,
+                len(found),
+            )
+        return found
+
+    async def _ask(
+        self,
+        peers: Sequence[ID],
+        call: Callable[[ID], Awaitable[Reply[_T]]],
+        *,
+        need: int,
+        deadline: float,
+        grace_s: float = 0.0,
+    ) -> Tally[ID, _T]:
+        """:func:`atoll.dht.quorum.ask` with this DHT's liveness, bounds and nursery."""
+        return await quorum.ask(
+            peers,
+            call,
+            need=need,
+            liveness=self._liveness,
+            rpc_timeout_s=self._rpc_timeout_s,
+            grace_s=grace_s,
+            deadline=deadline,
+            concurrency=_QUERY_CONCURRENCY,
+            background=self._nursery,
+        )
+
+    def _nothing_from(self, peer: ID, since: float) -> Reply[Any]:
+        """The reply of a request to ``peer`` that brought nothing back (the library's
+        one-peer requests say False, None or [] for "refused", "had none" and "failed"
+        alike): an answer when a stream to the peer opened since ``since`` and nothing
+        failed after (:class:`_KadHost` notes both), else no answer."""
+        name = str(peer)
+        heard = self._liveness.heard_at(name)
+        if heard is not None and heard >= since and not self._liveness.silent(name):
+            return Reply(None)
+        return Reply(answered=False, reason="unreachable")
 
     def _valid(self, key: str, value: bytes, source: str) -> Record | None:
         """The record ``value`` holds for ``key`` if it passes every rule now, else None."""
@@ -786,86 +990,122 @@ class AtollDHT:
             return None
 
     async def _read(self, key: str) -> Record | None:
-        """See :meth:`get`: this node's store and the closest peers, all asked now."""
+        """See :meth:`get`: this node's store and the closest peers, asked now; done when
+        every one answered or failed, or a majority of them gave a valid record and
+        :data:`_READ_GRACE_S` more passed."""
         key_bytes = key.encode("utf-8")
         best: Record | None = None
 
-        def consider(value: bytes, source: str) -> None:
+        def consider(record: Record | None) -> None:
             nonlocal best
-            record = self._valid(key, value, source)
             if record is not None and (best is None or is_newer(record, best)):
                 best = record
 
         held = libp2p_internals.local_value(self._kad, key_bytes)
         if held is not None:
-            consider(held, "this node's store")
-        peers: list[ID] = []
-        limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
+            consider(self._valid(key, held, "this node's store"))
 
-        async def ask(peer: ID) -> None:
-            async with limiter:
-                got = await libp2p_internals.value_from_peer(self._kad, peer, key_bytes)
-            if got is not None:
-                consider(got, f"peer {peer}")
+        async def ask(peer: ID) -> Reply[Record]:
+            since = trio.current_time()
+            got = await libp2p_internals.value_from_peer(self._kad, peer, key_bytes)
+            if got is None:
+                return self._nothing_from(peer, since)
+            return Reply(self._valid(key, got, f"peer {peer}"))
 
-        with trio.move_on_after(self._timeout_s) as scope:
-            peers = await self._closest(key)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(ask, peer)
+        start = trio.current_time()
+        peers = await self._closest(key)
+        tally = await self._ask(
+            peers,
+            ask,
+            need=quorum.majority(len(peers)),
+            deadline=start + self._timeout_s,
+            grace_s=self._grace_s,
+        )
+        for _, record in tally.values:
+            consider(record)
         if best is not None:
             return best
-        if scope.cancelled_caught:
+        if tally.timed_out:
             raise ExchangeTimeout(f"no valid record for {key} within {self._timeout_s} s")
         if not peers:
             raise PeerUnavailable(f"no DHT peer to ask for {key}: bootstrap first")
+        if not tally.answered:
+            raise ExchangeTimeout(
+                f"no valid record for {key}: none of the {len(peers)} closest peers answered"
+                f" within {self._rpc_timeout_s} s"
+            )
         return None
 
     async def _providers(self, topic: str) -> list[PeerInfo]:
         """The providers of ``topic``: this node's provider store, and every closest peer
-        asked now (never the library's cache of earlier answers)."""
+        asked now (never the library's cache of earlier answers), each within
+        ``rpc_timeout_s``."""
         key_bytes = topic.encode("utf-8")
         found: dict[ID, PeerInfo] = {
             p.peer_id: p for p in libp2p_internals.local_providers(self._kad, key_bytes)
         }
-        peers: list[ID] = []
-        limiter = trio.CapacityLimiter(_QUERY_CONCURRENCY)
 
-        async def ask(peer: ID) -> None:
-            async with limiter:
-                providers = await libp2p_internals.providers_from_peer(self._kad, peer, key_bytes)
+        async def ask(peer: ID) -> Reply[list[PeerInfo]]:
+            since = trio.current_time()
+            providers = await libp2p_internals.providers_from_peer(self._kad, peer, key_bytes)
+            if providers:
+                return Reply(providers)
+            nothing = self._nothing_from(peer, since)
+            return Reply([]) if nothing.answered else nothing
+
+        start = trio.current_time()
+        peers = await self._closest(topic)
+        tally = await self._ask(peers, ask, need=len(peers), deadline=start + self._timeout_s)
+        for _, providers in tally.values:
             for info in providers:
                 found.setdefault(info.peer_id, info)
-
-        with trio.move_on_after(self._timeout_s) as scope:
-            peers = await self._closest(topic)
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    nursery.start_soon(ask, peer)
         if not found:
-            if scope.cancelled_caught:
+            if tally.timed_out:
                 raise ExchangeTimeout(f"no provider of {topic} within {self._timeout_s} s")
             if not peers:
                 raise PeerUnavailable(f"no DHT peer to ask for {topic}: bootstrap first")
+            if not tally.answered:
+                raise ExchangeTimeout(
+                    f"no provider of {topic}: none of the {len(peers)} closest peers answered"
+                    f" within {self._rpc_timeout_s} s"
+                )
         return list(found.values())
+
+    async def _value_of(self, peer: ID, key_bytes: bytes) -> bytes | None:
+        """The value ``peer`` holds under ``key_bytes``, asked within ``rpc_timeout_s`` (its
+        liveness noted); None when it had none or did not answer."""
+
+        async def ask(provider: ID) -> Reply[bytes]:
+            since = trio.current_time()
+            value = await libp2p_internals.value_from_peer(self._kad, provider, key_bytes)
+            return Reply(value) if value is not None else self._nothing_from(provider, since)
+
+        tally = await self._ask([peer], ask, need=1, deadline=math.inf)
+        return tally.values[0][1] if tally.values else None
 
     async def _fetch(
         self, info: PeerInfo, kind: type[_R], key_of: Callable[[str], str]
     ) -> _R | None:
         """The valid ``kind`` record of provider ``info``, stored under ``key_of(peer_id)``:
-        asked of the provider (which holds the record it published), else read from the
-        DHT. None if there is none."""
+        asked of the provider (which holds the record it published) within
+        ``rpc_timeout_s`` unless it is suspected, else read from the DHT. None if there is
+        none."""
         peer = str(info.peer_id)
         try:
             key = key_of(peer)
         except CodecError as e:  # a peer id atoll's keys cannot hold (an RSA key's, say)
             logger.info("provider %s cannot have a %s: %s", peer, kind.__name__, e)
             return None
+        key_bytes = key.encode("utf-8")
         own = info.peer_id == self._host.get_id()
         if info.addrs and not own:
             self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, _PROVIDER_ADDR_TTL_S)
         # the provider holds the record it published (this node's own: in its store)
-        got = await libp2p_internals.value_from_peer(self._kad, info.peer_id, key.encode("utf-8"))
+        got: bytes | None = None
+        if own:
+            got = libp2p_internals.local_value(self._kad, key_bytes) or None
+        elif not self._liveness.suspected(peer, trio.current_time()):
+            got = await self._value_of(info.peer_id, key_bytes)
         record: Record | None = None
         if got is not None:
             record = self._valid(key, got, f"provider {peer}")
@@ -904,8 +1144,10 @@ _MAX_LOG_CHARS = 400  # the library logs whole refused values in hex (up to 9 KB
 class _KadLogFilter(logging.Filter):
     """Drops the warning py-libp2p's DHT server logs when a client ends its stream the
     normal way (its reader raises StreamEOF where it expects an empty read, so every
-    request left a "Failed to read DHT message from stream: " line), and clips long lines
-    (a peer could otherwise fill the log with the hex of the values it gets refused)."""
+    request left a "Failed to read DHT message from stream: " line) and the one its lookup
+    logs for each silent peer :class:`_KadHost` leaves out (expected, once per lookup), and
+    clips long lines (a peer could otherwise fill the log with the hex of the values it
+    gets refused)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if (
@@ -917,6 +1159,8 @@ class _KadLogFilter(logging.Filter):
         ):
             return False
         text = record.getMessage()
+        if _LEFT_OUT in text:
+            return False
         if len(text) > _MAX_LOG_CHARS:
             record.msg = text[: _MAX_LOG_CHARS - 3] + "..."
             record.args = None

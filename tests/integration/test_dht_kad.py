@@ -3,7 +3,7 @@
 Run as a script, this file is one DHT node in a process of its own::
 
     python tests/integration/test_dht_kad.py node --run RUN --seed HEX
-        [--bootstrap ADDR] [--peer-record] [--ready FRAGMENT:SLOT]
+        [--bootstrap ADDR] [--peer-record] [--ready FRAGMENT:SLOT] [--rpc-timeout-s S]
     python tests/integration/test_dht_kad.py foreign
 
 ``node`` runs atoll's Noise-only host with an :class:`~atoll.dht.kad.AtollDHT` on it,
@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,8 @@ from atoll.dht.kad import DHT_PROTOCOL, AtollDHT, _KadHost
 from atoll.dht.keys import peer_key
 from atoll.dht.records import PeerRecord, ReadyRecord, Record, RejectedRecord, encode_value
 from atoll.node.net.host import HostConfig, open_host
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.liveness import Liveness
 from atoll.protocol.messages import decode_message, encode_message
 from atoll.security.identity import Identity, generate
 from atoll.security.signing import SignedEnvelope, open_envelope, seal, signer_peer_id
@@ -115,6 +120,7 @@ async def _node(args: argparse.Namespace) -> None:
             signer=EnvelopeSigner(identity),
             clock=clock,
             timeout_s=DHT_TIMEOUT_S,
+            rpc_timeout_s=args.rpc_timeout_s,
         ) as dht:
             print(f"LISTENING {atoll_host.addrs[0]}", flush=True)
             started: dict[str, Any] = {}
@@ -158,6 +164,19 @@ async def _command(dht: AtollDHT, clock: ShiftedClock, host: BasicHost, cmd: dic
         assert isinstance(record, PeerRecord | ReadyRecord)
         await dht.put(record)
         return {}
+    if op == "announce_ready":
+        now = clock.wall()
+        await dht.announce_ready(ready_record(dht.peer_id, cmd["fragment"], cmd["slot"], now))
+        return {}
+    if op == "liveness":  # what this node's DHT learned of one peer, on its trio clock
+        now = trio.current_time()
+        heard = dht.liveness.heard_at(cmd["peer"])
+        return {
+            "suspected": dht.liveness.suspected(cmd["peer"], now),
+            "silent": dht.liveness.silent(cmd["peer"]),
+            "heard_ago": None if heard is None else now - heard,
+            "suspects": dht.liveness.suspects(now),
+        }
     if op == "table":
         return {"peers": dht.routing_table_peers()}
     if op == "lookup":  # a lookup of a random key: asks every connected peer when few are known
@@ -270,6 +289,7 @@ def main() -> None:
     parser.add_argument("--bootstrap")
     parser.add_argument("--peer-record", action="store_true")
     parser.add_argument("--ready", help="FRAGMENT:SLOT to announce")
+    parser.add_argument("--rpc-timeout-s", type=float, help="the DHT's bound of one request")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.mode == "node":
@@ -579,13 +599,154 @@ def test_the_routing_table_admits_no_peer_it_knows_nothing_about() -> None:
 
     async def body() -> tuple[bool, bool, bool]:
         library = await RoutingTable(me, host).add_peer(info)
-        kad_host: Any = _KadHost(host)
+        kad_host: Any = _KadHost(host, Liveness(), 3.0)
         atoll = await RoutingTable(me, kad_host).add_peer(info)
         host.get_peerstore().add_protocols(stranger, [str(DHT_PROTOCOL)])
         identified = await RoutingTable(me, kad_host).add_peer(info)
         return library, atoll, identified
 
     assert trio.run(body) == (True, False, True)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"rpc_timeout_s": 0},
+        {"rpc_timeout_s": 11.0},  # over timeout_s
+        {"rpc_timeout_s": math.nan},
+        {"rpc_timeout_s": True},
+        {"liveness": object()},
+    ],
+)
+def test_start_refuses_a_bad_request_bound_or_liveness(kwargs: dict[str, Any]) -> None:
+    """In-process, no sockets: checked before anything starts."""
+    host = new_host(key_pair=create_new_key_pair())
+    identity = generate()
+
+    async def body() -> None:
+        async with AtollDHT.start(
+            host,
+            run_id=RUN,
+            verifier=EnvelopeVerifier(),
+            signer=EnvelopeSigner(identity),
+            clock=ShiftedClock(),
+            timeout_s=DHT_TIMEOUT_S,
+            **kwargs,
+        ):
+            raise AssertionError("started")
+
+    with pytest.raises(ConfigError):
+        trio.run(body)
+
+
+# -- a silent peer: SIGSTOP ---------------------------------------------------------------------
+SILENT_RPC_S = 2.0  # the DHT's bound of one request to one peer in the silent-peer test
+
+
+@contextmanager
+def stopped(node: Node) -> Iterator[float]:
+    """``node``'s process stopped (SIGSTOP: the kernel still accepts its TCP data, nothing
+    answers) for the block; resumed (SIGCONT) whatever happens. Yields the stop time
+    (``time.monotonic``)."""
+    os.kill(node.proc.pid, signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(420)
+def test_a_silent_peer_costs_one_request_bound_then_nothing(
+    tmp_path: Path, wait_until: Any
+) -> None:
+    """Five DHT nodes, one stopped: writes and reads finish at their quorum, well under
+    the DHT's timeout; the stopped peer, once suspected, costs nothing; resumed, it is
+    heard again."""
+    rpc = ["--rpc-timeout-s", str(SILENT_RPC_S)]
+    nodes: list[Node] = []
+    try:
+        boot = await_start(spawn(tmp_path / "boot.log", "node", *rpc, identity=generate()))
+        nodes.append(boot)
+        spawned = [
+            spawn(
+                tmp_path / f"{name}.log",
+                "node",
+                "--bootstrap",
+                boot.addr,
+                *rpc,
+                identity=generate(),
+            )
+            for name in ("a", "b", "c", "s")
+        ]
+        nodes += spawned
+        a, b, c, s = (await_start(node) for node in spawned)
+        everyone = {node.peer_id for node in nodes}
+
+        def tables_full() -> bool:
+            for node in nodes:
+                node.call("lookup")  # a lookup meets the peers its table lacks
+            return all(
+                set(node.call("table")["peers"]) == everyone - {node.peer_id} for node in nodes
+            )
+
+        wait_until(tables_full, 120, "every node's routing table holding the other four")
+
+        published: list[PeerRecord] = []
+
+        def put(node: Node) -> dict[str, Any]:
+            record = peer_record(node.peer_id, (node.addr,), time.time())
+            published.append(record)
+            return node.call("put", record=encode_message(record).hex())
+
+        healthy = put(a)
+        assert "error" not in healthy, healthy
+        with stopped(s):
+            first = put(a)  # A's lookup meets the silent peer: one bound, then suspected
+            assert "error" not in first and first["s"] < DHT_TIMEOUT_S / 2, first
+            seen = a.call("liveness", peer=s.peer_id)
+            assert seen["suspected"] and s.peer_id in seen["suspects"], seen
+            second = put(a)  # suspected: neither looked up nor stored at
+            assert "error" not in second and second["s"] < SILENT_RPC_S / 2, second
+            got = b.call("get", key=peer_key(RUN, a.peer_id))  # B meets it for the first time
+            assert got.get("record") and got["s"] < DHT_TIMEOUT_S / 2, got
+            assert record_of(got["record"]) == published[-1]  # the newest
+            assert b.call("liveness", peer=s.peer_id)["suspected"]
+            again = b.call("get", key=peer_key(RUN, a.peer_id))
+            assert again.get("record") == got["record"] and again["s"] < SILENT_RPC_S / 2, again
+            announced = a.call("announce_ready", fragment=5, slot=1)
+            assert "error" not in announced and announced["s"] < SILENT_RPC_S / 2, announced
+            found = c.call("find_ready", fragment=5, slot=1)
+            assert [record_of(r).peer_id for r in found.get("records", [])] == [a.peer_id], found
+            assert found["s"] < DHT_TIMEOUT_S / 2, found
+        resumed = time.monotonic()
+
+        def heard_again() -> bool:
+            # a probe: once the hold has passed, A's puts ask S again
+            out = put(a)
+            assert "error" not in out, out
+            seen = a.call("liveness", peer=s.peer_id)
+            return (
+                not seen["suspected"]
+                and not seen["silent"]
+                and seen["heard_ago"] is not None
+                and seen["heard_ago"] < time.monotonic() - resumed
+            )
+
+        wait_until(heard_again, 120, "A hearing from the resumed peer again", interval_s=0.5)
+        back = time.monotonic() - resumed
+        assert "error" not in s.call("get", key=peer_key(RUN, a.peer_id))  # S answers too
+        print(
+            f"\nput {healthy['s']:.3f} s healthy; with a stopped peer {first['s']:.3f} s, then"
+            f" {second['s']:.3f} s; get {got['s']:.3f} s then {again['s']:.3f} s;"
+            f" announce_ready {announced['s']:.3f} s; find_ready {found['s']:.3f} s"
+            f" (rpc bound {SILENT_RPC_S} s, timeout {DHT_TIMEOUT_S} s); heard again"
+            f" {back:.1f} s after it resumed"
+        )
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                os.kill(node.proc.pid, signal.SIGCONT)
+            node.stop()
 
 
 if __name__ == "__main__":
