@@ -333,6 +333,7 @@ async def swarm_worker(
             signer=EnvelopeSigner(identity),
             clock=SystemClock(),
             timeout_s=dht_timeout_s,
+            liveness=liveness,
         ) as dht,
         trio.open_nursery() as nursery,
     ):

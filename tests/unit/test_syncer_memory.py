@@ -475,8 +475,9 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
     sides: tuple[tuple[int, ...], ...], jitter_s: float
 ) -> None:
     """A 2|2 and a 3|1 split (and a 2|2 with delayed, reordered messages): every side of
-    at least the quorum commits each sync; after healing one sync settles the copies (the rule picks one, the rest rebase) and the next
-    sync is one group of everybody on one copy."""
+    at least the quorum commits each sync; after healing one sync settles the copies (the
+    rule picks one, the rest rebase) and the next sync is one group of everybody on one
+    copy."""
 
     async def main() -> None:
         async with (
