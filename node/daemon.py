@@ -392,6 +392,7 @@ class _Run:
             "compute_s": rep.timer.compute_s,
             "net_wait_s": bridge.stats.wait_s,
             "peers": status.peers_seen,
+            "peers_live": status.peers_live,
             "last_sync": {str(k): v for k, v in sorted(status.last_sync.items())},
             "bytes_up": status.bytes_up,
             "bytes_down": status.bytes_down,
@@ -465,7 +466,7 @@ class ProgressPrinter:
         syncs = " ".join(f"{k}:{v}" for k, v in sorted(p["last_sync"].items())) or "-"
         self.stream.write(
             f"step {p['step']:>6}/{p['end']}  loss {p['loss']:.4f}  "
-            f"{p['tokens_per_s'] / 1e3:6.1f} ktok/s  peers {p['peers']}  "
+            f"{p['tokens_per_s'] / 1e3:6.1f} ktok/s  peers {p['peers_live']}/{p['peers']}  "
             f"up {p['bytes_up'] / 1e6:7.2f} MB  down {p['bytes_down'] / 1e6:7.2f} MB  "
             f"net wait {p['net_wait_s']:5.1f} s  syncs [{syncs}]\n"
         )

@@ -58,6 +58,10 @@ class NodeStatus:
     """peers of the run seen so far (this one excluded)"""
     dht_peers: int = 0
     """peers in the DHT's routing table"""
+    peers_live: int = 0
+    """peers with a live record that answer (this one excluded): those that count"""
+    suspicions: int = 0
+    """times a peer stopped answering and was set aside for a while"""
     bytes_per_peer: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """peer id -> (bytes sent to it, bytes received from it), at most 64 peers"""
     bytes_up: int = 0
@@ -97,6 +101,8 @@ class NodeStatus:
             "swarm_step": self.swarm_step,
             "peers_seen": self.peers_seen,
             "dht_peers": self.dht_peers,
+            "peers_live": self.peers_live,
+            "suspicions": self.suspicions,
             "bytes_per_peer": {k: list(v) for k, v in self.bytes_per_peer.items()},
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
@@ -225,6 +231,8 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "swarm_step": _int,
     "peers_seen": _int,
     "dht_peers": _int,
+    "peers_live": _int,
+    "suspicions": _int,
     "bytes_per_peer": _bytes_per_peer,
     "bytes_up": _int,
     "bytes_down": _int,

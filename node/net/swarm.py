@@ -266,6 +266,8 @@ class _Node:
                 **self.tally.fields(),
                 "peers_seen": len(self.peers.seen),
                 "dht_peers": len(self.dht.routing_table_peers()),
+                "peers_live": len(self.peers.responsive()),
+                "suspicions": self.peers.liveness.suspicions,
                 "bytes_per_peer": {
                     peer: (sent.get(peer, 0), received.get(peer, 0)) for peer in list(sent)[:64]
                 },
