@@ -567,7 +567,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--codec", default="e3m0")
-    ap.add_argument("--rate", default="50mbit", help="every node's link, each way")
+    ap.add_argument(
+        "--rate",
+        default="50mbit",
+        help="every node's link, each way (with --wanlab: the rate the lab was brought up "
+        "with; the slow uplink's node returns to it)",
+    )
     ap.add_argument("--timeouts-scale", type=float, default=1.0)
     ap.add_argument("--warmup-s", type=float, default=60.0)
     ap.add_argument("--fault-s", type=float, default=50.0)

@@ -232,14 +232,21 @@ def test_the_others_keep_applying_rounds_while_one_node_is_cut_and_it_rejoins(ru
     # silent means cut off: past the rounds in flight, the cut node commits nothing
     late = [a for a in during[VICTIM] if a[0] > marks["cut"] + ROUND_S]
     assert not late, late
-    # after the heal it commits a round together with another node (same slot and leader)
+    # after the heal, before the partition, it commits a round together with another node
+    # (the same slot and leader in both histories)
+    assert "partition" in marks, run.notes
     shared = []
-    for _, p, slot in run.applied(VICTIM, "heal", "partition") if "partition" in marks else []:
+    for t, p, slot in applied(run.work, VICTIM):
         how = run.round_of(VICTIM, p, slot)
         others = [i for i in range(NODES) if i != VICTIM and run.round_of(i, p, slot) == how]
-        if how is not None and others:
-            shared.append((p, how, others))
-    assert shared, f"node {VICTIM} shared no round after the heal: {run.notes}\n{run.tails()}"
+        if t >= marks["heal"] and how is not None and others:
+            shared.append(t - marks["heal"])
+    first = f"{shared[0]:.0f} s after the heal" if shared else "never"
+    assert shared and shared[0] < marks["partition"] - marks["heal"], (
+        f"node {VICTIM} shared no round between the heal and the partition "
+        f"({marks['partition'] - marks['heal']:.0f} s); its first shared round: {first}; "
+        f"{run.notes}"
+    )
 
 
 def test_after_a_two_two_partition_heals_every_node_ends_on_one_copy(run: Run) -> None:
@@ -253,4 +260,8 @@ def test_after_a_two_two_partition_heals_every_node_ends_on_one_copy(run: Run) -
     assert exits == [0] * NODES, exits
     digests = [n["global_digest"] for n in run.nodes]
     settled = [(n.get("settled"), n.get("settle_detail")) for n in run.nodes]
-    assert len(set(digests)) == 1, f"{len(set(digests))} global copies; settle: {settled}"
+    ends_after = [None if t is None else round(t - run.marks["healed"]) for t in ends]
+    assert len(set(digests)) == 1, (
+        f"{len(set(digests))} global copies: {[d[:8] for d in digests]}; the nodes ended "
+        f"{ends_after} s after the heal; settle: {settled}"
+    )
