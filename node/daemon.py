@@ -272,8 +272,8 @@ def _train(
     jump_to = 0  # a rebase found the swarm at this step (0: no jump)
     last_report = time.monotonic()
     while run.step < run.end and not stop.by:
-        if jump_to > run.step + manifest.tau:
-            run.jump(jump_to, extend=bool(cfg.steps))
+        if jump_to > run.step:
+            run.jump(jump_to)
         jump_to = 0
         run.losses.append(rep.train_step(run.step))
         run.tokens += rep.batcher.tokens_per_batch
@@ -282,6 +282,7 @@ def _train(
                 # the swarm got ahead in time, not only in versions: rejoin its rounds
                 jump_to = max(jump_to, bridge.status.swarm_step)
         run.step += 1
+        bridge.note_step(run.step)  # peers that copy a state from here start at this step
         if progress and (
             run.step % cfg.log_every == 0
             or run.step == run.end
@@ -366,14 +367,12 @@ class _Run:
     def __post_init__(self) -> None:
         self.step = self.start
 
-    def jump(self, to: int, *, extend: bool) -> None:
-        """Skip to the swarm's step ``to`` (never past the last step). ``extend``: the end
-        moves too (``--steps`` counts steps trained, so a jump does not use them up)."""
+    def jump(self, to: int) -> None:
+        """Skip to the swarm's step ``to`` (never past the last step). The end stays
+        where it is: nodes of a run end at the same step, and settle together."""
         logger.warning(
             "step %d: the swarm is at step %d; jumping there to meet its rounds", self.step, to
         )
-        if extend:
-            self.end += to - self.step
         target = min(to, self.end - 1)
         self.jumped += target - self.step
         self.step = target

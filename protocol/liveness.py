@@ -43,7 +43,7 @@ class _Peer:
 class Liveness:
     """Suspected peers of one node (see the module docstring)."""
 
-    def __init__(self, *, hold_s: float = 5.0, max_hold_s: float = 60.0) -> None:
+    def __init__(self, *, hold_s: float = 5.0, max_hold_s: float = 20.0) -> None:
         for name, value in (("hold_s", hold_s), ("max_hold_s", max_hold_s)):
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be finite and > 0, not {value!r}")

@@ -289,6 +289,9 @@ class Settled:
 SettleHandler = Callable[[float], Awaitable[Settled]]
 """``await settle(timeout_s)``: bring every fragment onto the swarm's copy (network side)."""
 
+StepHandler = Callable[[int], None]
+"""``on_step(step)``: the trainer's current inner step (network side)."""
+
 
 async def _receive(inbox: Connection) -> list[Any] | None:
     """The next command, without blocking the loop; None when the trainer's end closed."""
@@ -309,6 +312,7 @@ async def serve(
     outbox: Connection,
     handler: Handler,
     settle: SettleHandler | None = None,
+    on_step: StepHandler | None = None,
 ) -> None:
     """Run the bridge's command loop until ``shutdown`` or until the trainer goes away.
 
@@ -318,7 +322,8 @@ async def serve(
     failed outcome with the error as reason; any other exception ends the process.
     ``settle`` (a ``["settle", timeout_s]`` command, at the end of a run) first waits for
     the syncs in flight, then runs ``settle(time left)`` and answers ``["settled",
-    agreed, detail]``; without a handler the answer is agreed at once.
+    agreed, detail]``; without a handler the answer is agreed at once. ``["step", n]``
+    (the trainer's current step, now and then) goes to ``on_step``.
     """
     in_flight: set[int] = set()
     gone = trio.Event()
@@ -379,6 +384,9 @@ async def serve(
                 nursery.start_soon(run_one, p, step, tokens)
             elif msg[0] == "settle" and len(msg) == 2:
                 nursery.start_soon(run_settle, float(msg[1]))
+            elif msg[0] == "step" and len(msg) == 2:
+                if on_step is not None:
+                    on_step(int(msg[1]))
             else:
                 log.warning("unknown bridge command %r", msg[:1])
         nursery.cancel_scope.cancel()
@@ -451,6 +459,7 @@ class NetworkBridge:
         self._dead: str | None = None
         self._closed = False
         self._settled: Settled | None = None
+        self._step_sent_at = -float("inf")
         self.status = NodeStatus()
         """the latest status the network process sent (peer id, peers, bytes, rounds)"""
         ctx = multiprocessing.get_context("spawn")
@@ -520,6 +529,17 @@ class NetworkBridge:
     @property
     def alive(self) -> bool:
         return not self._closed and self._dead is None and self._proc.is_alive()
+
+    def note_step(self, step: int, *, every_s: float = 0.5) -> None:
+        """Tell the network process the trainer's current step (at most every
+        ``every_s``): a peer that copies a state from this node starts at this step, so
+        its syncs line up with the swarm's. Never blocks; a broken pipe is noticed later."""
+        now = time.monotonic()
+        if now - self._step_sent_at < every_s or self._dead is not None or self._closed:
+            return
+        self._step_sent_at = now
+        with contextlib.suppress(OSError):
+            _send(self._cmd, ["step", int(step)])
 
     def in_flight(self, fragment: int) -> bool:
         """A sync of ``fragment`` was started and its outcome not yet handed out."""

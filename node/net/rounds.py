@@ -357,9 +357,10 @@ async def run_matchmaking(
     lifetime of the published ready record; ``wall`` the clock records are stamped with.
     ``background``: see :func:`run_allreduce` (the DHT polls and announcements run there
     too, and stop at their next turn). ``answer_s``: the matchmaker's bound on a silent
-    leader. ``liveness``: declarations of peers that failed a request since they were last
-    heard are left out (they would be asked to lead and not answer), a leader dropped for
-    silence is reported to it, and so is a failed send.
+    leader. ``liveness``: declarations of suspected peers (a request to them failed within
+    their hold) are left out, as they would be asked to lead and not answer; once the hold
+    passed a declaration counts again, and a request to its peer is the probe. A leader
+    dropped for silence is reported to it, and so is a failed send.
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
@@ -407,8 +408,8 @@ async def run_matchmaking(
             def observe(decls: list[mm.Declaration], now: float) -> list[Any]:
                 if view is not None:
                     view(decls)
-                if liveness is not None:
-                    decls = [d for d in decls if not liveness.silent(d.peer_id)]
+                if liveness is not None:  # a peer in its hold would not answer
+                    decls = [d for d in decls if not liveness.suspected(d.peer_id, now)]
                 out = machine.resize(settings_of(), now=now)
                 return [*out, *machine.observe(decls, now=now)]
 

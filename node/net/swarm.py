@@ -168,6 +168,10 @@ class _Node:
                 start = max(start, done.state_step)
         return start
 
+    def note_step(self, step: int) -> None:
+        """The trainer's current step: handed to the peers that copy a state from here."""
+        self.syncer.step = max(self.syncer.step, step)
+
     async def settle(self, timeout_s: float) -> Settled:
         """At the end of a run: rebase every fragment whose copy is not the one the
         peers that answer follow, until all of them hold this node's copy of every
@@ -176,8 +180,8 @@ class _Node:
         The node first publishes that it no longer trains (it stops counting toward
         quorums). Nodes that finish together all run this, so they end on one global
         copy. Peers still training are waited for one sync's time (matchmaking and a
-        round: their last sync may still change the copy); after that the node settles
-        with the peers that finished, and says so.
+        round: their last sync may still change the copy, even when their records agree
+        now); after that the node settles with the peers that finished, and says so.
         """
         start = trio.current_time()
         deadline = start + timeout_s
@@ -196,18 +200,24 @@ class _Node:
                         self.tally.caught_up()
                 published = await self.publisher.publish_if_changed()
                 differ = self._disagreeing()
-                finished = [p for p in differ if not self.peers.live[p].training]
-                training = len(differ) - len(finished)
-                if published and not differ:
-                    n = len(self.peers.responsive())
-                    detail = f"{n} peers hold this node's copy of every fragment"
+                answering = self.peers.responsive()
+                training = [p for p in answering if self.peers.live[p].training]
+                finished = [p for p in differ if p not in training]
+                patient = trio.current_time() - start <= patience
+                if not self.peers.live:
+                    return Settled(True, "no other peer in the run")
+                if published and answering and not differ and not training:
+                    detail = f"{len(answering)} peers hold this node's copy of every fragment"
                     return Settled(True, f"{detail} ({rebased} fragments rebased)")
-                if published and not finished and trio.current_time() - start > patience:
+                if published and answering and not finished and not patient:
                     return Settled(
                         True,
-                        f"the peers that finished hold this node's copy ({rebased} fragments"
-                        f" rebased); {training} peers still train on",
+                        f"the {len(answering) - len(training)} peers that finished hold this"
+                        f" node's copy ({rebased} fragments rebased); {len(training)} peers"
+                        " still train on",
                     )
+                if not answering and not patient:
+                    return Settled(False, "no peer of the run answered: nothing to agree with")
                 await trio.sleep(1.0)
         short = ", ".join(p[-6:] for p in differ) or "none"
         return Settled(
@@ -365,6 +375,6 @@ async def swarm_worker(
         nursery.start_soon(node.publisher.run)
         nursery.start_soon(node.peers.watch, _PEERS_EVERY_S)
         nursery.start_soon(node.report)
-        await serve(inbox, outbox, node.handle, node.settle)
+        await serve(inbox, outbox, node.handle, node.settle, node.note_step)
         node.post()
         nursery.cancel_scope.cancel()

@@ -135,7 +135,7 @@ def test_a_request_that_raises_counts_as_no_answer() -> None:
 # -- a silent peer: its bound once, then nothing ------------------------------------------------
 def test_a_hanging_peer_costs_the_bound_once_and_nothing_once_suspected() -> None:
     peers = {"a": Peer("answer"), "b": Peer("answer", 0.02), "s": Peer("hang")}
-    liveness = Liveness(hold_s=30.0)
+    liveness = Liveness(hold_s=30.0, max_hold_s=60.0)
 
     async def body() -> list[tuple[Tally[str, Any], float]]:
         out = []
