@@ -13,9 +13,9 @@ Like :class:`~atoll.protocol.allreduce.AllReduceRound`, it takes events and retu
 actions; a driver carries the actions out (the swarm: matchmaking over the DHT, the
 all-reduce over libp2p, a state fetch; a test: the same over an in-memory transport)::
 
-    declared ──► rebasing ──────────────────────────────► done (rebased)
-        │           │ (no holder served it)
-        │           ▼
+    declared ──► rebasing ──(imported: Δ taken again)──┐
+        │           │ (no holder served it)            │
+        │           ▼                                  ▼
         └─────► matching ──► reducing ──► committed ─┐
                     │            │                   ├──► rebasing ──► done
                     └────────────┴──────► rolled back┘        (or done at once)
@@ -24,9 +24,17 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    ``begin``); the sync is *declared* at slot = the fragment's version.
 2. :meth:`FragmentSync.plan` takes what the swarm holds (``(peer, version, digest)``
    triples from the peers' records): when :func:`~atoll.protocol.statesync.should_rebase`
-   says the swarm follows another state, the answer is :class:`FetchState` (copy it,
-   no round); else :class:`FindGroup` with this peer's
-   :class:`~atoll.protocol.matchmaking.Declaration`.
+   says the swarm follows another state, the answer is :class:`FetchState` (copy it);
+   else :class:`FindGroup` with this peer's
+   :class:`~atoll.protocol.matchmaking.Declaration`. A state copied here one version
+   ahead of this peer's does not end the sync: the peer keeps its Δ (the same
+   pseudo-gradient, taken against the copy it trained from) and offers it at the new
+   version, a contribution one round stale, as Decoupled DiLoCo merges late updates
+   (arXiv 2604.21428; docs/ALGORITHMS.md §4.3). A peer one version behind is most often
+   one that rebased at its previous sync: the swarm's next round of the fragment starts
+   as its own sync starts, and ending the sync at the rebase would make it miss that
+   round, and every later one the same way (a peer that rebases at every sync and never
+   averages again). A copy further ahead ends the sync (its Δ is too stale to offer).
 3. :meth:`FragmentSync.matched` with the matchmaking outcome: :class:`RunRound` for a
    formed group, or a roll back when alone.
 4. :meth:`FragmentSync.reduced` with the all-reduce outcome: Done is delivered (commit),
@@ -178,6 +186,8 @@ class FragmentSync:
         self._after_round = False
         self._done: SyncDone | None = None
         self._wall = 0.0
+        self._local: np.ndarray | None = None  # the trainer's copy, to take Δ again
+        self._rebased: tuple[int, int] | None = None  # (version, server step) of a rebase
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -209,6 +219,7 @@ class FragmentSync:
         """Encode Δ of ``local`` against the global copy (the engine's ``begin``)."""
         self._expect("idle")
         self._step = int(step)
+        self._local = np.array(local, dtype=np.float32, copy=True).reshape(-1)
         self._request = self.engine.begin(self.fragment, local, step)
         self._phase = "declared"
         return self._request
@@ -295,6 +306,7 @@ class FragmentSync:
         if state.version < self._target[0]:
             log.info("peer %s served fragment %d at an older version", peer, self.fragment)
             return self.fetch_failed("an older version")
+        old = self.engine.global_params(self.fragment).copy() if not self._after_round else None
         try:
             self.engine.import_fragment(self.fragment, state)  # skips a pending Δ first
         except AtollError as e:
@@ -308,6 +320,24 @@ class FragmentSync:
             state.digest(),
             peer,
         )
+        self._rebased = (version, state.step)
+        request = self._request
+        if (
+            not self._after_round
+            and self._local is not None
+            and request is not None
+            and version == request.round + 1
+        ):
+            # before the round, one version behind: offer the same Δ at the new version
+            # (see the module docstring): local + (new − old) is as far from the new copy
+            # as the local copy was from the old one
+            assert old is not None
+            shifted = self._local + (self.engine.global_params(self.fragment) - old)
+            self._target = None
+            self._holders = []
+            self._request = self.engine.begin(self.fragment, shifted, self._step)
+            self._digest = self.engine.digest(self.fragment)
+            return self._find_group(self._request, self._wall)
         return self._finish(
             applied=True,
             reason=f"rebased to version {version}",
@@ -429,6 +459,12 @@ class FragmentSync:
     ) -> SyncDone:
         request = self._request
         self._phase = "done"
+        if self._rebased is not None and not rebased:
+            # a rebase before the round, then the round: both are reported
+            rebased, state_step = True, self._rebased[1]
+            how = "applied" if self._committed else self._reason
+            reason = f"rebased to version {self._rebased[0]}, then {how}"
+            applied = True  # the global copy changed, whatever the round did
         self._done = SyncDone(
             fragment=self.fragment,
             step=self._step,

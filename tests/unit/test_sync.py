@@ -112,9 +112,17 @@ def _ahead(step: int = 77) -> tuple[OuterEngine, fs.Holding]:
     return other, ("peer-ahead", other.version(0), other.digest(0))
 
 
-def test_a_peer_behind_rebases_instead_of_grouping() -> None:
+def _two_ahead() -> tuple[OuterEngine, fs.Holding]:
+    """A peer's engine two versions ahead, and its holding."""
+    other, _ = _ahead()
+    other.begin(0, _local(-3.0), 5)
+    other.deliver(0, np.full(N, 1.0, np.float32), 1)
+    return other, ("peer-ahead", other.version(0), other.digest(0))
+
+
+def test_a_peer_far_behind_rebases_instead_of_grouping() -> None:
     engine, changes = _engine(), []
-    other, holding = _ahead()
+    other, holding = _two_ahead()
     sync = _sync(engine, changes)
     sync.begin(_local(1.0), step=3)
     action = sync.plan([holding, ("peer-old", 0, engine.digest(0))], wall_now=0.0)
@@ -122,9 +130,46 @@ def test_a_peer_behind_rebases_instead_of_grouping() -> None:
     done = sync.fetched(other.export_fragment(0, step=77))
     assert isinstance(done, fs.SyncDone)
     assert done.applied and done.rebased and done.state_step == 77
-    assert done.round_status == "none" and done.reason == "rebased to version 1"
+    assert done.round_status == "none" and done.reason == "rebased to version 2"
     assert engine.digest(0) == other.digest(0) and engine.pending(0) is None
     assert changes == [(0, "rebase")]
+
+
+def test_a_peer_one_version_behind_rebases_then_offers_its_delta_at_the_new_version() -> None:
+    """The chase: one version behind at the start of its sync, the peer copies the state
+    and joins the swarm's round at the new version with the very Δ it took (one round
+    stale), instead of ending the sync and arriving one version behind again."""
+    engine, changes = _engine(), []
+    other, holding = _ahead()
+    sync = _sync(engine, changes)
+    first = sync.begin(_local(1.0), step=3)
+    assert isinstance(sync.plan([holding], wall_now=4.0), fs.FetchState)
+    action = sync.fetched(other.export_fragment(0, step=77))
+    assert isinstance(action, fs.FindGroup)
+    d = action.declaration
+    assert (d.slot, d.version, d.digest, d.declared_at) == (1, 1, other.digest(0), 4.0)
+    pending = engine.pending(0)
+    assert pending is not None and pending.round == 1 and pending.weight == first.weight
+    # the same pseudo-gradient: the same bytes on the wire (fp32 codec)
+    assert pending.payload == first.payload
+    spec = sync.matched(_formed(ME, "b"))
+    assert isinstance(spec, fs.RunRound) and spec.spec.key.round == 1
+    done = sync.reduced(ar.Done(np.full(N, 1.0, np.float32)), [])
+    assert isinstance(done, fs.SyncDone)
+    assert done.applied and done.rebased and done.state_step == 77
+    assert done.round_status == "applied" and done.round == 1
+    assert done.reason == "rebased to version 1, then applied"
+    assert engine.version(0) == 2 and changes == [(0, "rebase"), (0, "1/peer-me")]
+    # alone at the new version: the rebase still changed the copy
+    engine2 = _engine()
+    sync2 = _sync(engine2)
+    sync2.begin(_local(1.0), step=3)
+    sync2.plan([holding], wall_now=0.0)
+    sync2.fetched(other.export_fragment(0, step=77))
+    done2 = sync2.matched(mm.Alone("timeout"), [])
+    assert isinstance(done2, fs.SyncDone) and done2.applied and done2.rebased
+    assert done2.reason == "rebased to version 1, then alone: timeout"
+    assert engine2.pending(0) is None and engine2.digest(0) == other.digest(0)
 
 
 def test_a_rebase_nobody_serves_falls_back_to_a_group_then_tries_again() -> None:

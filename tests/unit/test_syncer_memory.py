@@ -226,12 +226,14 @@ def test_a_node_behind_rebases_and_a_holder_killed_mid_transfer_is_passed_over()
             await _sync(late, _locals(1, seed=9, numel=big)[0], 3)
             assert late.report is not None
             done = late.report.done
-            assert done.rebased and done.applied and done.round_status == "none"
+            # one version behind: it copied the state, then offered its Δ at version 1,
+            # where nobody else was syncing
+            assert done.rebased and done.applied and done.round_status == "alone"
             assert late.state() == ahead and late.engine.pending(0) is None
             assert late.changes == [(0, "rebase")]
             assert len(chunks_from) == 2  # the second holder served it
             # the dead holder cost at most the fetch timeout, not a hang
-            assert trio.current_time() - t0 <= TIMEOUTS.round_s + 1
+            assert trio.current_time() - t0 <= TIMEOUTS.round_s + TIMEOUTS.matchmaking_s + 1
             services.cancel_scope.cancel()
 
     _run(main)
@@ -509,6 +511,27 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
             assert len({n.state() for n in nodes}) == 1
             assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
             assert all(n.report.done.applied for n in nodes)  # type: ignore[union-attr]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_node_one_version_behind_copies_the_state_and_joins_the_same_round() -> None:
+    """The chase: a node that missed one round starts its next sync as the others start
+    theirs. It copies the state and joins their round at the new version with its Δ, so
+    all four average together instead of the late node rebasing at every sync."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            await _sync_nodes(nodes[:3], 3, 0)  # node 3 misses the round of version 0
+            assert nodes[3].state()[0] == 0 and nodes[0].state()[0] == 1
+            await _sync_nodes(nodes, 7, 1)
+            late = nodes[3].report.done  # type: ignore[union-attr]
+            assert late.rebased and late.round_status == "applied", late
+            assert late.reason == "rebased to version 1, then applied"
+            assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
+            assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
             services.cancel_scope.cancel()
 
     _run(main)
