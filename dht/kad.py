@@ -99,13 +99,14 @@ its end; here it costs one request's bound, once, and is skipped while it is sus
 - The closest peers: the library's iterative FIND_NODE lookup waits in each round for
   every peer it queried, up to its 10 s query timeout (or the host's stream negotiation
   timeout, when shorter), so one silent peer held up every lookup. Here its streams are
-  bounded by ``rpc_timeout_s``; a peer that failed and has not answered since
-  (:meth:`~atoll.protocol.liveness.Liveness.silent`) is refused at once (the library then
-  drops it from the routing table; it comes back at its next answer); and the whole
-  lookup is bounded by ``min(timeout_s, 2 * rpc_timeout_s)``, past which the routing
-  table's closest peers are used. Suspected peers are then left out of the peers asked,
-  unless every one is suspected (better a probe than nobody). Once its hold has passed, a
-  silent peer is asked again by stores and reads, never by lookups, until it answers.
+  bounded by ``rpc_timeout_s``; a suspected peer (within its hold) is refused at once
+  (the library then drops it from the routing table; it comes back at its next answer);
+  and the whole lookup is bounded by ``min(timeout_s, 2 * rpc_timeout_s)``, past which
+  the routing table's closest peers are used. Suspected peers are then left out of the
+  peers asked, unless every one is suspected (better a probe than nobody). Once its hold
+  has passed, a silent peer is asked again by lookups, stores and reads (a probe, which
+  costs one request bound while it stays silent), and :meth:`~AtollDHT.probe` asks it
+  directly: a healed link is found within a hold.
 - Writes, :meth:`~AtollDHT.put` and the provider announcements of
   :meth:`~AtollDHT.announce_ready` and :meth:`~AtollDHT.announce_peer`: all the closest
   peers asked are sent the record (10 at a time), and the write is done once a majority of
@@ -151,6 +152,7 @@ right after the host starts.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import logging
@@ -292,8 +294,8 @@ class _KadHost:
         if DHT_PROTOCOL not in wire:
             return await self._host.new_stream(peer_id, wire)
         peer = str(peer_id)
-        if _IN_LOOKUP.get() and self._liveness.silent(peer):
-            raise StreamFailure(f"peer {peer} is {_LEFT_OUT} until it answers again")
+        if _IN_LOOKUP.get() and self._liveness.suspected(peer, trio.current_time()):
+            raise StreamFailure(f"peer {peer} is {_LEFT_OUT} for its hold")
         try:
             with trio.fail_after(self._rpc_timeout_s):
                 stream = await self._host.new_stream(peer_id, wire)
@@ -403,6 +405,7 @@ class AtollDHT:
         self._liveness = liveness
         self._nursery = nursery
         self._admitting: set[ID] = set()
+        self._kad_host: _KadHost | None = None  # set by start()
 
     @classmethod
     @asynccontextmanager
@@ -495,6 +498,7 @@ class AtollDHT:
                     liveness=liveness,
                     nursery=nursery,
                 )
+                dht._kad_host = kad_host
                 kad_host.on_dht_stream = dht._admit_soon
                 try:
                     logger.info(
@@ -512,6 +516,26 @@ class AtollDHT:
                     # the library's multistream code (seen crashing a stopping node)
                     kad_host.set_stream_handler(LIBRARY_PROTOCOL, refuse_stream)
                     nursery.cancel_scope.cancel()
+
+    async def probe(self, peer: str) -> bool:
+        """Open (and close) one stream of :data:`DHT_PROTOCOL` to ``peer``, within
+        ``rpc_timeout_s``: True when it answered. The liveness hears of the outcome either
+        way. The peer's addresses must be in the host's peer store (its record put them
+        there)."""
+        try:
+            peer_id = ID.from_base58(peer)
+        except (ValueError, TypeError):
+            return False
+        if self._kad_host is None:
+            return False
+        try:
+            stream = await self._kad_host.new_stream(peer_id, [LIBRARY_PROTOCOL])
+        except Exception as e:  # refused, unreachable or silent: noted by the proxy
+            logger.debug("probe of %s: %s", peer, _describe(e))
+            return False
+        with contextlib.suppress(Exception):  # it answered; the stream does not matter
+            await stream.close()
+        return True
 
     # -- what it is -------------------------------------------------------------------------
     @property

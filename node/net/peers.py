@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -128,6 +128,34 @@ class PeerTracker:
         """The peers with a live record that have not failed a request since they were
         last heard."""
         return [p for p in self.live if not self.liveness.silent(p)]
+
+    async def probe_silent(self, probe: Callable[[str], Awaitable[bool]]) -> list[str]:
+        """Probe, at once, every peer with a live record that is silent and whose hold has
+        passed (``probe(peer)`` answers True when the peer answered; it tells the liveness
+        either way). Returns the peers that came back. Without this, a side of a healed
+        split might wait for the other to contact it first."""
+        now = trio.current_time()
+        due = [
+            p for p in self.live if self.liveness.silent(p) and not self.liveness.suspected(p, now)
+        ]
+        back: list[str] = []
+
+        async def one(peer: str) -> None:
+            if await probe(peer):
+                back.append(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in due:
+                nursery.start_soon(one, peer)
+        if back:
+            logger.info("peers answering again: %s", ", ".join(p[-6:] for p in back))
+        return back
+
+    async def watch_silent(self, probe: Callable[[str], Awaitable[bool]], every_s: float) -> None:
+        """:meth:`probe_silent` every ``every_s`` seconds, forever."""
+        while True:
+            await self.probe_silent(probe)
+            await trio.sleep(every_s)
 
     def trainers(self) -> list[str]:
         """The responsive peers still training (a node that settles at the end of its run

@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 _STATUS_EVERY_S = 1.0
 _PEERS_EVERY_S = 5.0  # how often the live peers of the run are read from the DHT
+_PROBE_EVERY_S = 2.0  # how often silent peers past their hold are probed
 _RATE_EVERY_S = 5.0  # tokens/s is measured over this window
 
 
@@ -374,6 +375,7 @@ async def swarm_worker(
         node.post(start_step=start_step, addrs=tuple(host.addrs), joined=joined)
         nursery.start_soon(node.publisher.run)
         nursery.start_soon(node.peers.watch, _PEERS_EVERY_S)
+        nursery.start_soon(node.peers.watch_silent, dht.probe, _PROBE_EVERY_S)
         nursery.start_soon(node.report)
         await serve(inbox, outbox, node.handle, node.settle, node.note_step)
         node.post()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import trio
+import trio.testing
 
 from atoll.dht.records import PeerRecord
 from atoll.node.net.peers import PeerTracker
@@ -94,3 +95,30 @@ def test_liveness_holds_double_and_cap() -> None:
     live.failed("x", 31.0)  # the doubling starts over
     assert not live.suspected("x", 36.0)
     assert live.suspicions == 4
+
+
+def test_silent_peers_past_their_hold_are_probed_and_come_back_when_they_answer() -> None:
+    async def main() -> None:
+        tracker = _tracker([_record("a"), _record("b"), _record("c")], GroupSettings())
+        live = tracker.liveness
+        now = trio.current_time()
+        live.failed("a", now - 10.0)  # hold passed: probed
+        live.failed("b", now - 10.0)  # hold passed, still silent
+        live.failed("c", now)  # within its hold: left alone
+        asked: list[str] = []
+
+        async def probe(peer: str) -> bool:
+            asked.append(peer)
+            await trio.sleep(0.5)
+            if peer == "a":
+                live.heard(peer, trio.current_time())
+                return True
+            live.failed(peer, trio.current_time(), "no answer")
+            return False
+
+        assert await tracker.probe_silent(probe) == ["a"]
+        assert sorted(asked) == ["a", "b"]
+        assert tracker.responsive() == ["a"]
+        assert live.suspected("b", trio.current_time())  # held again, for longer
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
