@@ -390,6 +390,7 @@ class AtollDHT:
         max_skew_s: float,
         liveness: Liveness,
         nursery: trio.Nursery,
+        kad_host: _KadHost | None = None,
     ) -> None:
         self._host = host
         self._kad = kad
@@ -405,7 +406,7 @@ class AtollDHT:
         self._liveness = liveness
         self._nursery = nursery
         self._admitting: set[ID] = set()
-        self._kad_host: _KadHost | None = None  # set by start()
+        self._kad_host = kad_host
 
     @classmethod
     @asynccontextmanager
@@ -497,8 +498,8 @@ class AtollDHT:
                     max_skew_s=float(max_skew_s),
                     liveness=liveness,
                     nursery=nursery,
+                    kad_host=kad_host,
                 )
-                dht._kad_host = kad_host
                 kad_host.on_dht_stream = dht._admit_soon
                 try:
                     logger.info(
