@@ -221,6 +221,9 @@ class Failed:
 
     reason: str
     culprit: str | None = None
+    missing: tuple[str, ...] = ()
+    """members whose part or reduced chunk had not come by the deadline (a silent peer,
+    or a connection that stalled): the driver's liveness hears of them"""
 
 
 Action: TypeAlias = Send | Done | Failed
@@ -413,10 +416,16 @@ class AllReduceRound:
             return []
         if now >= self._round_deadline:
             missing = [self.spec.members[j] for j, c in enumerate(self._chunks) if c is None]
-            return self._fail(f"timeout: reduced chunks of {missing} missing at the deadline")
+            return self._fail(
+                f"timeout: reduced chunks of {missing} missing at the deadline",
+                missing=tuple(missing),
+            )
         if not self._reduced_mine and now >= self._phase_deadline:
             missing = [self.spec.members[j] for j, p in enumerate(self._parts) if p is None]
-            return self._fail(f"timeout: parts of {missing} for chunk {self._mine} missing")
+            return self._fail(
+                f"timeout: parts of {missing} for chunk {self._mine} missing",
+                missing=tuple(missing),
+            )
         return []
 
     def peer_lost(self, peer: str, *, now: float) -> list[Action]:
@@ -581,7 +590,12 @@ class AllReduceRound:
         return self._fail(reason, culprit=culprit)
 
     def _fail(
-        self, reason: str, *, culprit: str | None = None, skip: str | None = None
+        self,
+        reason: str,
+        *,
+        culprit: str | None = None,
+        skip: str | None = None,
+        missing: tuple[str, ...] = (),
     ) -> list[Action]:
         """Roll back: tell every other member (but ``skip``) to abort, then fail."""
         self._state = "failed"
@@ -591,7 +605,7 @@ class AllReduceRound:
             for m in self.spec.members
             if m != self.me and m != skip
         ]
-        out.append(Failed(reason, culprit))
+        out.append(Failed(reason, culprit, missing))
         self._release()
         return out
 

@@ -396,6 +396,28 @@ class AtollHost:
                 f"timed out after {self._config.send_timeout_s} s"
             )
 
+    async def forget_peer(self, peer_id: str) -> None:
+        """Close every connection to ``peer_id`` and this node's stream to it, and let it
+        be dialed again at once: the next send or request dials afresh.
+
+        For a peer that went silent: a TCP connection that lived through a cut link
+        resumes only when its retransmission back-off next fires (tens of seconds after
+        a long cut), and meanwhile everything written to it waits unseen; a fresh
+        connection works as soon as the link does. Bounded by ``dial_timeout_s``; errors
+        are logged, never raised.
+        """
+        pid = self._parse_peer_id(peer_id)
+        out = self._outgoing.get(peer_id)
+        if out is not None and out.stream is not None:
+            stale, out.stream = out.stream, None
+            await _reset(stale)
+        with trio.move_on_after(self._config.dial_timeout_s):
+            try:
+                await self._host.disconnect(pid)
+            except Exception as e:  # libp2p's errors: no documented set
+                logger.debug("closing the connections to %s: %s", peer_id, _describe(e))
+        libp2p_internals.clear_dial_backoff(self._host, peer_id)
+
     async def receive(self, *, timeout_s: float | None = None) -> tuple[str, object]:
         """The next ``(sender peer id, message)`` from any peer, in arrival order per peer.
 

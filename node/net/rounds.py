@@ -507,6 +507,10 @@ async def run_allreduce(
             if checkpoint is not None:
                 checkpoint("start")
             outcome = await _drive(machine, machine.start(), events, runner)
+            if isinstance(outcome, ar.Failed) and liveness is not None:
+                for peer in outcome.missing:  # a peer, or a connection to it, went quiet
+                    if peer != me:
+                        liveness.failed(peer, trio.current_time(), "nothing in time in a round")
             if background is None:
                 # our reduced chunk (or our Abort) is still on its way to the others
                 with trio.move_on_after(linger_s):

@@ -169,6 +169,12 @@ class _Node:
                 start = max(start, done.state_step)
         return start
 
+    async def probe(self, peer: str) -> bool:
+        """Ask a silent peer whether it answers again, on a fresh connection (an old one
+        may sit in TCP back-off long after the link healed)."""
+        await self.host.forget_peer(peer)
+        return await self.dht.probe(peer)
+
     def note_step(self, step: int) -> None:
         """The trainer's current step: handed to the peers that copy a state from here."""
         self.syncer.step = max(self.syncer.step, step)
@@ -375,7 +381,7 @@ async def swarm_worker(
         node.post(start_step=start_step, addrs=tuple(host.addrs), joined=joined)
         nursery.start_soon(node.publisher.run)
         nursery.start_soon(node.peers.watch, _PEERS_EVERY_S)
-        nursery.start_soon(node.peers.watch_silent, dht.probe, _PROBE_EVERY_S)
+        nursery.start_soon(node.peers.watch_silent, node.probe, _PROBE_EVERY_S)
         nursery.start_soon(node.report)
         await serve(inbox, outbox, node.handle, node.settle, node.note_step)
         node.post()

@@ -229,6 +229,10 @@ def test_a_silenced_peer_fails_the_round_at_the_phase_deadline(h: ModuleType) ->
         assert isinstance(r.outcome, ar.Failed), r.outcome
         took = r.ended_at - r.reduce_started_at
         assert setup.part_s - 0.01 <= took <= setup.part_s + 0.5, took
+        # the failure names whom nothing came from (for the driver's liveness): never a
+        # survivor
+        assert set(r.outcome.missing) <= {"peer-3"}, r.outcome
+    assert any(r.outcome.missing == ("peer-3",) for r in survivors)
     assert net.vanished > 0
 
 
