@@ -25,6 +25,7 @@ monotonic clock, seconds); nothing here reads a clock or does IO.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from atoll.protocol.errors import ConfigError
@@ -52,6 +53,11 @@ class Liveness:
         self.hold_s = float(hold_s)
         self.max_hold_s = float(max_hold_s)
         self._peers: dict[str, _Peer] = {}
+        self.on_suspect: Callable[[str, int], None] | None = None
+        """called with ``(peer, failures in a row)`` each time a peer becomes suspected
+        (the node drops its connections to a peer that failed twice in a row: a TCP
+        connection that lived through a long cut stays stalled well after the link
+        heals)"""
         self.suspicions = 0
         """how many times a peer became suspected (for status and benchmarks)"""
 
@@ -77,6 +83,8 @@ class Liveness:
         p.until = now + hold
         p.reason = reason
         self.suspicions += 1
+        if self.on_suspect is not None:
+            self.on_suspect(peer, p.failures)
 
     def suspected(self, peer: str, now: float) -> bool:
         """Whether ``peer`` is to be skipped now (it failed, and its hold has not passed)."""

@@ -370,6 +370,14 @@ async def swarm_worker(
             liveness=liveness,
         )
         nursery.start_soon(node.mailbox.run)
+
+        def on_suspect(peer: str, failures: int) -> None:
+            # twice silent in a row: its connections may sit in TCP back-off after the
+            # link heals; the next contact dials afresh
+            if failures >= 2:
+                nursery.start_soon(host.forget_peer, peer)
+
+        liveness.on_suspect = on_suspect
         joined = await join_swarm(
             host, dht, join, timeout_s=join_timeout_s, dial_s=manifest.timeouts.dial_s
         )

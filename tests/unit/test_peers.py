@@ -122,3 +122,15 @@ def test_silent_peers_past_their_hold_are_probed_and_come_back_when_they_answer(
         assert live.suspected("b", trio.current_time())  # held again, for longer
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_listener_hears_each_new_suspicion_with_the_failures_in_a_row() -> None:
+    live = Liveness(hold_s=5.0)
+    heard: list[tuple[str, int]] = []
+    live.on_suspect = lambda peer, n: heard.append((peer, n))
+    live.failed("x", 0.0)
+    live.failed("x", 1.0)  # within the hold: not a new suspicion
+    live.failed("x", 6.0)
+    live.heard("x", 7.0)
+    live.failed("x", 8.0)
+    assert heard == [("x", 1), ("x", 2), ("x", 1)]
