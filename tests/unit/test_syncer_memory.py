@@ -361,6 +361,26 @@ async def _sync_nodes(nodes: list[Node], step: int, seed: int) -> None:
     await _sync_all(nodes, _locals(len(nodes), seed=seed), step)
 
 
+async def _sync_silenced(
+    net: MemoryNetwork, nodes: list[Node], victim: Node, when: type, step: int
+) -> list[Node]:
+    """Every node's sync, ``victim`` going silent as the first ``when`` message reaches
+    it; returns the others once their syncs ended (the victim's is given up)."""
+
+    def silence(sender: str, to: str, msg: object) -> None:
+        if to == victim.peer and isinstance(msg, when):
+            net.silence(victim.peer)
+            net.on_deliver = None
+
+    net.on_deliver = silence
+    rest = [n for n in nodes if n is not victim]
+    async with trio.open_nursery() as syncs:
+        syncs.start_soon(_sync_nodes, rest, step, 0)
+        with trio.move_on_after(TIMEOUTS.matchmaking_s + TIMEOUTS.round_s):
+            await _sync(victim, _locals(1, seed=7)[0], step)  # it hears nothing
+    return rest
+
+
 def test_a_leader_silent_from_the_start_is_never_asked() -> None:
     """The DHT's requests find the silent peer out before matchmaking asks it to lead: the
     others form without it at once."""
@@ -390,18 +410,8 @@ def test_a_leader_that_goes_silent_when_asked_is_dropped_within_the_answer_bound
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
             _, nodes = await _swarm(net, services, 5)
             leader = _leader_of(nodes, 0)
-
-            def silence(sender: str, to: str, msg: object) -> None:
-                if to == leader.peer and isinstance(msg, mm.JoinRequest):
-                    net.silence(leader.peer)
-
-            net.on_deliver = silence
-            rest = [n for n in nodes if n is not leader]
             start = nodes[0].state()
-            async with trio.open_nursery() as syncs:
-                syncs.start_soon(_sync_nodes, rest, 3, 0)
-                with trio.move_on_after(TIMEOUTS.matchmaking_s + TIMEOUTS.round_s):
-                    await _sync(leader, _locals(1, seed=7)[0], 3)  # it hears nothing
+            rest = await _sync_silenced(net, nodes, leader, mm.JoinRequest, 3)
             committed = _check_atomic(rest, start)
             assert len(committed) == 4, [n.report.done.reason for n in rest]  # type: ignore[union-attr]
             for n in rest:
@@ -422,19 +432,8 @@ def test_a_member_silent_after_forming_costs_one_round_then_the_rest_go_on() -> 
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
             _, nodes = await _swarm(net, services, 4)
             victim = next(n for n in nodes if n is not _leader_of(nodes, 0))
-
-            def silence(sender: str, to: str, msg: object) -> None:
-                if to == victim.peer and isinstance(msg, mm.GroupFormed):
-                    net.silence(victim.peer)
-                    net.on_deliver = None
-
-            net.on_deliver = silence
-            rest = [n for n in nodes if n is not victim]
             start = nodes[0].state()
-            async with trio.open_nursery() as syncs:
-                syncs.start_soon(_sync_nodes, rest, 3, 0)
-                with trio.move_on_after(TIMEOUTS.matchmaking_s + TIMEOUTS.round_s):
-                    await _sync(victim, _locals(1, seed=7)[0], 3)
+            rest = await _sync_silenced(net, nodes, victim, mm.GroupFormed, 3)
             assert _check_atomic(rest, start) == []
             assert all(n.report.done.round_status == "failed" for n in rest)  # type: ignore[union-attr]
             await _sync_nodes(rest, 7, 1)
