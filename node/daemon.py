@@ -273,7 +273,7 @@ def _train(
     last_report = time.monotonic()
     while run.step < run.end and not stop.by:
         if jump_to > run.step:
-            run.jump(jump_to)
+            run.jump(jump_to, extend=bool(cfg.steps))
         jump_to = 0
         run.losses.append(rep.train_step(run.step))
         run.tokens += rep.batcher.tokens_per_batch
@@ -367,12 +367,15 @@ class _Run:
     def __post_init__(self) -> None:
         self.step = self.start
 
-    def jump(self, to: int) -> None:
-        """Skip to the swarm's step ``to`` (never past the last step). The end stays
-        where it is: nodes of a run end at the same step, and settle together."""
+    def jump(self, to: int, *, extend: bool) -> None:
+        """Skip to the swarm's step ``to`` (never past the last step). ``extend``: the end
+        moves too (``--steps`` counts steps trained, so a jump does not use them up; a
+        node that jumped then ends after the others and settles onto their copy)."""
         logger.warning(
             "step %d: the swarm is at step %d; jumping there to meet its rounds", self.step, to
         )
+        if extend:
+            self.end += to - self.step
         target = min(to, self.end - 1)
         self.jumped += target - self.step
         self.step = target
