@@ -117,12 +117,8 @@ class PeerTracker:
         """``(peer, version, digest)`` of ``fragment`` from the live records of the
         responsive peers (a state held only across a split cannot be copied, and its
         holders are not the swarm this node trains with until they answer again)."""
-        rows = [
-            (r.peer_id, r.versions, r.digests)
-            for r in self.live.values()
-            if not self.liveness.silent(r.peer_id)
-        ]
-        return holdings_of(fragment, rows)
+        records = (self.live[p] for p in self.responsive())
+        return holdings_of(fragment, [(r.peer_id, r.versions, r.digests) for r in records])
 
     def responsive(self) -> list[str]:
         """The peers with a live record that have not failed a request since they were
