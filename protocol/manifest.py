@@ -277,7 +277,8 @@ class Timeouts:
     dial_s: float = 10.0
     """opening a connection to one peer (transport, security handshake and Hello)"""
     matchmaking_s: float = 15.0
-    """from declaring ready for a round to knowing the group (quorum plus grace)"""
+    """from declaring ready for a round to knowing the group (quorum plus grace); at most
+    twice this while peers are expected at the slot (matchmaking's patience)"""
     part_s: float = 30.0
     """one phase of the all-reduce: all of the reduce-scatter, or all of the all-gather"""
     round_s: float = 120.0

@@ -68,8 +68,18 @@ asks the next-ranked candidate, or leads. If the dropped leader was alive after 
 forms a list naming the follower anyway, that group's all-reduce fails as a whole, as for
 a lost peer below: one round, never a wrong result.
 
-Termination. Every wait is bounded by ``timeout`` (:attr:`Timeouts.matchmaking_s`): at
-``now >= start + timeout`` a leader with a quorum forms, a leader without one disbands
+Patience for peers on their way. Peers reach a slot at different times: a node that ran
+ahead of the swarm (it trained alone through a cut link, say) arrives seconds before the
+others, and one that gives up after ``timeout`` misses them at every slot, since nothing
+else brings it back in step. With ``patience`` set, the deadline moves once, to
+``start + timeout + patience``, as soon as the peer has reason to wait: the driver names
+peers it expects at this slot (:meth:`Matchmaker.expect`: they answer, train and hold this
+slot's state, but have not declared yet), or its leader accepted it (a live leader decides
+when the group forms or disbands, and says so). The trainer meanwhile blocks at the
+round's apply step, which brings an early node back in step with the others.
+
+Termination. Every wait is bounded by ``timeout`` (:attr:`Timeouts.matchmaking_s`) plus
+``patience`` when extended: at the deadline a leader with a quorum forms, a leader without one disbands
 its followers, and everyone else gives up: :class:`Alone` means "train on, retry at the
 next slot" (the engine's ``skip``). Redirect hints strictly lower the rank at each hop, and
 a peer follows at most :data:`MAX_REDIRECTS` of them per slot. Held requests also point
@@ -358,10 +368,10 @@ class Matchmaker:
     """One peer's side of forming the group for one ``(run, fragment, slot)``.
 
     Feed it the DHT view (:meth:`observe`, as often as it changes), the messages of this
-    key (:meth:`receive`), lost peers (:meth:`peer_lost`) and the time (:meth:`tick` at
-    :attr:`next_deadline`); carry out the :class:`Send` actions; stop at :class:`Formed` or
-    :class:`Alone`, of which exactly one is returned, by ``now >= start + timeout`` at the
-    latest. The module docstring states the rule and what members agree on.
+    key (:meth:`receive`), lost peers (:meth:`peer_lost`), the peers expected at the slot
+    (:meth:`expect`) and the time (:meth:`tick` at :attr:`next_deadline`); carry out the
+    :class:`Send` actions; stop at :class:`Formed` or :class:`Alone`, of which exactly one
+    is returned, by ``now >= start + timeout + patience`` at the latest. The module docstring states the rule and what members agree on.
 
     Args:
         me: this peer's own declaration (its key decides who it may group with).
@@ -369,6 +379,9 @@ class Matchmaker:
         now: the current time; the deadline counts from it.
         timeout: seconds until the peer stops looking for a group
             (:attr:`~atoll.protocol.manifest.Timeouts.matchmaking_s`).
+        answer_s: how long a silent leader is waited for (None: until the deadline).
+        patience: seconds the deadline may move once, while peers are expected at this
+            slot or a leader accepted this peer (0: never; see the module docstring).
 
     Raises:
         ConfigError: a malformed declaration, settings of the wrong type, or a time or
@@ -383,6 +396,7 @@ class Matchmaker:
         now: float,
         timeout: float,
         answer_s: float | None = None,
+        patience: float = 0.0,
     ) -> None:
         problem = _declaration_problem(me)
         if problem is not None:
@@ -395,6 +409,9 @@ class Matchmaker:
             raise ConfigError(f"timeout must be finite and > 0, not {timeout!r}")
         if answer_s is not None and (not _is_num(answer_s) or answer_s <= 0):
             raise ConfigError(f"answer_s must be finite and > 0, not {answer_s!r}")
+        if not _is_num(patience) or patience < 0:
+            raise ConfigError(f"patience must be finite and >= 0, not {patience!r}")
+        self.patience = float(patience)
         self.answer_s = None if answer_s is None else float(answer_s)
         """how long a silent leader is waited for (None: until the timeout)"""
         self.me = me
@@ -404,6 +421,7 @@ class Matchmaker:
         self._rank = rank(me)
         self._start = float(now)
         self._deadline = float(now) + float(timeout)
+        self._extended = False
         self._state: State = "searching"
         # compatible peers known from the DHT, from hints and from requests, by rank
         self._ranks: dict[str, bytes] = {}
@@ -438,8 +456,19 @@ class Matchmaker:
 
     @property
     def deadline(self) -> float:
-        """``start + timeout``: by then the peer is formed or alone."""
+        """``start + timeout`` (plus ``patience`` once extended): by then the peer is
+        formed or alone."""
         return self._deadline
+
+    @property
+    def extended(self) -> bool:
+        """Whether the deadline moved by ``patience``."""
+        return self._extended
+
+    def _extend(self) -> None:
+        if not self._extended and self.patience > 0:
+            self._extended = True
+            self._deadline += self.patience
 
     @property
     def leader(self) -> str | None:
@@ -502,6 +531,18 @@ class Matchmaker:
                 self._ranks.setdefault(d.peer_id, rank(d))
         out.extend(self._decide(now))
         out.extend(self._release_held(now))
+        return out
+
+    def expect(self, peers: Iterable[str], *, now: float) -> list[Action]:
+        """``peers`` are expected at this slot and have not declared yet (the driver reads
+        it from their records); any other than this peer, not yet known and not out of
+        the slot, extends the deadline by ``patience`` (once)."""
+        out = self.tick(now)
+        if self._state in ("formed", "alone"):
+            return out
+        known = self._ranks.keys() | self._excluded | {self._id}
+        if any(p not in known for p in peers):
+            self._extend()
         return out
 
     def resize(self, settings: GroupSettings, *, now: float) -> list[Action]:
@@ -772,6 +813,7 @@ class Matchmaker:
             if self._state == "searching":
                 self._state = "following"
             self._heard_at = now  # also a leader's keepalive
+            self._extend()  # a live leader says when its group forms or disbands
             return []
         # a late accept from a peer we no longer wait for: make it drop us
         return [self._disband(msg.sender, f"{self._id} is not waiting for you any more")]

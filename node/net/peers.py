@@ -158,6 +158,21 @@ class PeerTracker:
         holds its copy but joins no more groups)."""
         return [p for p in self.responsive() if self.live[p].training]
 
+    def expected(self, fragment: int, version: int, digest: str) -> list[str]:
+        """The trainers whose record shows them due at ``fragment``'s slot of ``version``:
+        they hold that version with ``digest``, or the one before (they rebase onto it
+        before their round). A node that arrives at the slot first waits for them
+        (matchmaking's patience)."""
+        due = []
+        for p in self.trainers():
+            r = self.live[p]
+            if fragment >= len(r.versions):
+                continue
+            v = r.versions[fragment]
+            if v == version - 1 or (v == version and r.digests[fragment] == digest):
+                due.append(p)
+        return due
+
     def group_settings(self) -> GroupSettings:
         """The group settings for the responsive peers (see the module docstring): the
         most members capped at them, the quorum raised to their majority."""

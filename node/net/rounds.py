@@ -35,7 +35,7 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -347,6 +347,8 @@ async def run_matchmaking(
     background: trio.Nursery | None = None,
     answer_s: float | None = None,
     liveness: Liveness | None = None,
+    patience_s: float = 0.0,
+    expected: Callable[[], Collection[str]] | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -360,13 +362,18 @@ async def run_matchmaking(
     leader. ``liveness``: declarations of suspected peers (a request to them failed within
     their hold) are left out, as they would be asked to lead and not answer; once the hold
     passed a declaration counts again, and a request to its peer is the probe. A leader
-    dropped for silence is reported to it, and so is a failed send.
+    dropped for silence is reported to it, and so is a failed send. ``expected``: the
+    peers due at this slot (read at every DHT view); one that has not declared yet
+    extends the matchmaker's deadline by ``patience_s`` (once; see
+    :class:`~atoll.protocol.matchmaking.Matchmaker`).
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
     now = trio.current_time()
     settings_of = settings if callable(settings) else (lambda: settings)
-    machine = mm.Matchmaker(me, settings_of(), now=now, timeout=timeout_s, answer_s=answer_s)
+    machine = mm.Matchmaker(
+        me, settings_of(), now=now, timeout=timeout_s, answer_s=answer_s, patience=patience_s
+    )
     outcome: mm.Formed | mm.Alone | None = None
     mailbox.open(key, send_ch)
     stop = trio.Event()
@@ -408,9 +415,13 @@ async def run_matchmaking(
             def observe(decls: list[mm.Declaration], now: float) -> list[Any]:
                 if view is not None:
                     view(decls)
+                declared = {d.peer_id for d in decls}
                 if liveness is not None:  # a peer in its hold would not answer
                     decls = [d for d in decls if not liveness.suspected(d.peer_id, now)]
                 out = machine.resize(settings_of(), now=now)
+                if expected is not None:
+                    due = [p for p in expected() if p not in declared]
+                    out.extend(machine.expect(due, now=now))
                 return [*out, *machine.observe(decls, now=now)]
 
             first = machine.tick(trio.current_time())

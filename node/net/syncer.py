@@ -247,6 +247,8 @@ class Syncer:
             background=self.background,
             answer_s=answer_bound(self.timeouts),
             liveness=self.peers.liveness,
+            patience_s=matchmaking_s,
+            expected=functools.partial(self.peers.expected, me.fragment, me.version, me.digest),
         )
 
     async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:

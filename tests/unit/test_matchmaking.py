@@ -804,3 +804,61 @@ def test_a_live_leader_keeps_its_followers_past_the_silence_bound() -> None:
 def test_answer_s_must_be_positive() -> None:
     with pytest.raises(ConfigError):
         Matchmaker(decl("x"), GroupSettings(), now=0.0, timeout=1.0, answer_s=0.0)
+
+
+# --------------------------------------------------------------------------------------
+# patience: a peer that arrives early waits for the peers expected at the slot
+# --------------------------------------------------------------------------------------
+def test_an_expected_peer_extends_the_deadline_once_by_the_patience() -> None:
+    lead, a = by_rank(peers(2))
+    m = Matchmaker(decl(lead), GroupSettings(2, 8, 1.0), now=0.0, timeout=6.0, patience=6.0)
+    m.observe([decl(lead)], now=0.0)
+    assert m.deadline == 6.0 and not m.extended
+    m.expect([lead], now=1.0)  # itself: not a reason to wait
+    assert m.deadline == 6.0
+    m.expect([a], now=1.0)
+    assert m.deadline == 12.0 and m.extended and m.next_deadline == 12.0
+    m.expect([a], now=2.0)  # once only
+    assert m.deadline == 12.0
+    # the expected peer arrives after the plain timeout and the group forms with it
+    assert m.tick(7.0) == []
+    m.observe([decl(lead), decl(a)], now=8.0)
+    out = m.receive(request(decl(a)), now=8.0)
+    assert sends(out) == [(a, JoinAccept(lead, RUN, FRAG, SLOT, VERSION, DIGEST))]
+    out = m.tick(9.0)  # quorum at 8, grace 1
+    assert outcome(out) == [Formed(tuple(by_rank([lead, a])), lead, m.key)]
+
+
+def test_a_peer_already_known_or_out_of_the_slot_extends_nothing() -> None:
+    lead, a = by_rank(peers(2))
+    m = Matchmaker(decl(lead), GroupSettings(2, 8, 1.0), now=0.0, timeout=6.0, patience=6.0)
+    m.observe([decl(lead), decl(a)], now=0.0)
+    m.expect([a], now=0.5)  # it declared already: its request is what the leader waits for
+    assert not m.extended
+    out = m.tick(6.0)
+    assert outcome(out) == [Alone("timeout: 1 of the 2 peers of the quorum")]
+    # without patience nothing moves either
+    n = Matchmaker(decl(lead), GroupSettings(2, 8, 1.0), now=0.0, timeout=6.0)
+    n.expect([a], now=0.5)
+    assert n.deadline == 6.0 and not n.extended
+
+
+def test_a_follower_of_a_live_leader_waits_for_it_past_its_own_timeout() -> None:
+    """The follower started 4 s before its leader: its timeout would end it while the
+    leader still gathers; once accepted it waits for the leader's word instead."""
+    lead, a = by_rank(peers(2))
+    f = Matchmaker(decl(a), GroupSettings(2, 8, 1.0), now=0.0, timeout=6.0, patience=6.0)
+    out = f.observe([decl(a), decl(lead)], now=4.0)
+    assert sends(out) == [(lead, request(decl(a)))]
+    f.receive(JoinAccept(lead, RUN, FRAG, SLOT, VERSION, DIGEST), now=4.1)
+    assert f.state == "following" and f.deadline == 12.0
+    assert f.tick(6.0) == []
+    members = tuple(by_rank([lead, a]))
+    out = f.receive(GroupFormed(lead, RUN, FRAG, SLOT, VERSION, DIGEST, members), now=7.0)
+    assert outcome(out) == [Formed(members, lead, RoundKey(RUN, FRAG, VERSION))]
+
+
+def test_patience_must_be_finite_and_not_negative() -> None:
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError):
+            Matchmaker(decl("x"), GroupSettings(), now=0.0, timeout=1.0, patience=bad)

@@ -71,6 +71,22 @@ def test_holdings_leave_out_peers_that_do_not_answer() -> None:
     assert tracker.liveness.suspects(1.0) == {"b": "cut off"}
 
 
+def test_the_peers_expected_at_a_slot_hold_its_version_or_the_one_before() -> None:
+    records = [
+        _record("same", version=4),
+        _record("behind", version=3),  # rebases onto version 4 before its round
+        _record("past", version=5),  # done with this slot
+        _record("far", version=1),
+        _record("done", version=4, training=False),  # settles: joins no more groups
+        _record("cut", version=4),
+    ]
+    tracker = _tracker(records, GroupSettings())
+    tracker.liveness.failed("cut", 0.0)
+    assert sorted(tracker.expected(0, 4, "d4")) == ["behind", "same"]
+    assert tracker.expected(0, 4, "other") == ["behind"]  # another copy of version 4
+    assert tracker.expected(1, 4, "d4") == []  # no such fragment in the records
+
+
 def test_quorum_one_and_swarms_too_large_for_a_majority_keep_the_manifest_quorum() -> None:
     lone = _tracker([_record("a"), _record("b")], GroupSettings(1, 8, 1.0))
     assert lone.group_settings().min_quorum == 1

@@ -232,8 +232,9 @@ def test_a_node_behind_rebases_and_a_holder_killed_mid_transfer_is_passed_over()
             assert late.state() == ahead and late.engine.pending(0) is None
             assert late.changes == [(0, "rebase")]
             assert len(chunks_from) == 2  # the second holder served it
-            # the dead holder cost at most the fetch timeout, not a hang
-            assert trio.current_time() - t0 <= TIMEOUTS.round_s + TIMEOUTS.matchmaking_s + 1
+            # the dead holder cost at most the fetch timeout, not a hang (matchmaking waited
+            # its patience too: the two others hold version 1 and were expected at the slot)
+            assert trio.current_time() - t0 <= TIMEOUTS.round_s + 2 * TIMEOUTS.matchmaking_s + 1
             services.cancel_scope.cancel()
 
     _run(main)
@@ -322,6 +323,38 @@ def test_two_groups_in_one_slot_each_commit_their_own_average_then_converge() ->
             for n in losers:
                 assert n.report is not None and n.report.done.rebased
             assert len({n.state()[1] for n in nodes}) <= 2  # the winners may have moved on
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_node_ahead_of_the_others_waits_for_them_and_rounds_with_them() -> None:
+    """One node reaches the slot 8 s before the others, longer than the matchmaking
+    timeout (a node that trained alone through a cut link runs ahead): their records show
+    them due at the slot, so it waits (the patience) and all three round together."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 3)
+            start = nodes[0].state()
+            locals_ = _locals(3)
+            early_s = TIMEOUTS.matchmaking_s + 2.0
+
+            async def late(node: Node, local: np.ndarray) -> None:
+                await trio.sleep(early_s)
+                await _sync(node, local, 3)
+
+            async with trio.open_nursery() as syncs:
+                syncs.start_soon(_sync, nodes[0], locals_[0], 3)
+                for node, local in zip(nodes[1:], locals_[1:], strict=True):
+                    syncs.start_soon(late, node, local)
+            committed = _check_atomic(nodes, start)
+            assert len(committed) == 3
+            for node in nodes:
+                assert node.report is not None and node.report.done.round_status == "applied"
+                assert len(node.report.done.members) == 3
+            assert nodes[0].report is not None
+            assert nodes[0].report.seconds > TIMEOUTS.matchmaking_s  # it waited past it
             services.cancel_scope.cancel()
 
     _run(main)
