@@ -57,7 +57,9 @@ from atoll.protocol.fragments import EXTRAS_RULES
 __all__ = [
     "AGGREGATIONS",
     "MANIFEST_VERSION",
+    "MEMBERSHIP_MODES",
     "GroupSettings",
+    "MembershipSettings",
     "OuterLoop",
     "RunManifest",
     "Timeouts",
@@ -66,6 +68,9 @@ __all__ = [
 
 AGGREGATIONS = ("mean", "rda")
 """How a group combines its pseudo-gradients: token-weighted mean, or radial-directional."""
+
+MEMBERSHIP_MODES = ("public", "private")
+"""Who may take part: anyone, or the members the ``[membership]`` table names."""
 
 MANIFEST_VERSION: int = 1
 """Version of the canonical encoding hashed into the run id; bump it when fields change
@@ -297,6 +302,100 @@ class Timeouts:
             )
 
 
+_MAX_MEMBERS = 10_000
+_PEER_ID_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])  # identity multihash, Ed25519
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def _is_ed25519_peer_id(text: str) -> bool:
+    """Whether ``text`` is a libp2p Ed25519 peer id (base58btc of the inlined key).
+
+    The same test as :func:`atoll.security.identity.public_key_from_peer_id`, repeated
+    here because the protocol package imports nothing of atoll.security.
+    """
+    if not 40 <= len(text) <= 64 or not set(text) <= set(_B58):
+        return False
+    n = 0
+    for c in text:
+        n = n * 58 + _B58.index(c)
+    zeros = len(text) - len(text.lstrip("1"))  # each leading "1" is a zero byte
+    raw = b"\0" * zeros + n.to_bytes((n.bit_length() + 7) // 8, "big")
+    return len(raw) == len(_PEER_ID_PREFIX) + 32 and raw.startswith(_PEER_ID_PREFIX)
+
+
+def _peer_ids(key: str, value: object) -> tuple[str, ...]:
+    """The peer ids of a list setting, checked, deduplicated and sorted."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ConfigError(f"{key} must be an array of peer ids, not {_describe(value)}")
+    if len(value) > _MAX_MEMBERS:
+        raise ConfigError(f"{key} holds more than {_MAX_MEMBERS} entries")
+    for item in value:
+        if not isinstance(item, str):
+            raise ConfigError(f"{key}: {_describe(item)} is not a string")
+    return tuple(sorted(set(value)))
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipSettings:
+    """Who may take part in the run (the ``[membership]`` table).
+
+    ``public`` (the default): anyone. ``private``: the peers on ``allowlist`` and the
+    holders of a member certificate signed by the organisation key ``org_key`` (``atoll
+    org issue``); a private table names at least one of the two. ``revoked`` lists peer
+    ids, and certificate ids (64 hex digits, printed by ``atoll org issue``), that may not
+    take part whatever else says so. :class:`atoll.security.membership.Membership` applies
+    it. Being part of the manifest, it is part of the run id: peers that disagree on who
+    is a member never average together. A manifest without the table has the run id it
+    had before the table existed.
+    """
+
+    mode: str = "public"
+    """public (anyone) or private (allowlist and/or organisation certificates)"""
+    allowlist: tuple[str, ...] = ()
+    """peer ids admitted in a private run"""
+    org_key: str = ""
+    """the organisation's Ed25519 public key, 64 hex digits (atoll keygen prints it)"""
+    revoked: tuple[str, ...] = ()
+    """peer ids and certificate ids refused whatever else admits them"""
+
+    def __post_init__(self) -> None:
+        mode = _scalar("membership.mode", self.mode, str)
+        if mode not in MEMBERSHIP_MODES:
+            raise ConfigError(f"membership.mode must be one of {MEMBERSHIP_MODES}, not {mode!r}")
+        allow = _peer_ids("membership.allowlist", self.allowlist)
+        for peer in allow:
+            if not _is_ed25519_peer_id(peer):
+                raise ConfigError(
+                    f"membership.allowlist: {_describe(peer)} is not an Ed25519 peer id"
+                )
+        revoked = _peer_ids("membership.revoked", self.revoked)
+        for item in revoked:
+            is_cert = len(item) == 64 and set(item) <= _HEX
+            if not is_cert and not _is_ed25519_peer_id(item):
+                raise ConfigError(
+                    f"membership.revoked: {_describe(item)} is neither a peer id nor a "
+                    "certificate id (64 lowercase hex digits)"
+                )
+        org_key = _scalar("membership.org_key", self.org_key, str)
+        assert isinstance(org_key, str)
+        org_key = org_key.strip().lower()
+        if org_key and (len(org_key) != 64 or not set(org_key) <= _HEX):
+            raise ConfigError(
+                f"membership.org_key must be 64 hex digits (an Ed25519 public key), "
+                f"not {self.org_key!r}"
+            )
+        if mode == "private" and not allow and not org_key:
+            raise ConfigError("membership.mode = 'private' needs an allowlist, an org_key or both")
+        if mode == "public" and (allow or org_key):
+            raise ConfigError(
+                "membership.allowlist and membership.org_key need membership.mode = 'private'"
+            )
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "allowlist", allow)
+        object.__setattr__(self, "revoked", revoked)
+        object.__setattr__(self, "org_key", org_key)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunManifest(OuterLoop):
     """Everything the peers of one run must agree on; :meth:`run_id` names it.
@@ -335,6 +434,8 @@ class RunManifest(OuterLoop):
     """how averaging groups form"""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """every network wait of a round"""
+    membership: MembershipSettings = field(default_factory=MembershipSettings)
+    """who may take part (public, or private with an allowlist or organisation key)"""
 
     def __post_init__(self) -> None:
         _normalise(self, "", _own_fields())
@@ -386,9 +487,14 @@ class RunManifest(OuterLoop):
 
         The encoding is msgpack of ``{"manifest_version": MANIFEST_VERSION, "run": {...}}``
         with every table's keys sorted, so it depends on the values alone, not on the order
-        or spelling of the TOML they came from. Any change of any field changes it.
+        or spelling of the TOML they came from. Any change of any field changes it. The
+        ``membership`` table is left out while it is the default (public, nothing revoked),
+        so the run ids of manifests written before it existed stay what they were.
         """
-        document = {"manifest_version": MANIFEST_VERSION, "run": _canonical(self)}
+        run = _canonical(self)
+        if self.membership == MembershipSettings():
+            del run["membership"]
+        document = {"manifest_version": MANIFEST_VERSION, "run": run}
         packed = msgpack.packb(document, use_bin_type=True)
         return hashlib.sha256(packed).hexdigest()
 
@@ -397,8 +503,9 @@ class RunManifest(OuterLoop):
     def from_toml(cls, text: str, *, source: str = "<manifest>") -> RunManifest:
         """Parse and validate a manifest; ``source`` names it in error messages.
 
-        Top-level keys are the scalar fields; ``[group]`` and ``[timeouts]`` hold
-        :class:`GroupSettings` and :class:`Timeouts`. Every error is a
+        Top-level keys are the scalar fields; ``[group]``, ``[timeouts]`` and
+        ``[membership]`` hold :class:`GroupSettings`, :class:`Timeouts` and
+        :class:`MembershipSettings`. Every error is a
         :class:`~atoll.protocol.errors.ConfigError` that starts with ``source``.
         """
         if not isinstance(text, str):
@@ -444,6 +551,8 @@ class RunManifest(OuterLoop):
         lines += [f"{key} = {_toml_value(getattr(self, key))}" for key in _top_level_keys()]
         for key in _TABLES:
             table = getattr(self, key)
+            if key == "membership" and table == MembershipSettings():
+                continue  # the default: a manifest without the table
             lines += ["", f"[{key}]"]
             lines += [f"{g.name} = {_toml_value(getattr(table, g.name))}" for g in fields(table)]
         return "\n".join(lines) + "\n"
@@ -457,9 +566,11 @@ def short_id(run_id: str) -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-_TABLES: dict[str, type[GroupSettings] | type[Timeouts]] = {
+_Table = type[GroupSettings] | type[Timeouts] | type[MembershipSettings]
+_TABLES: dict[str, _Table] = {
     "group": GroupSettings,
     "timeouts": Timeouts,
+    "membership": MembershipSettings,
 }
 
 
@@ -487,7 +598,7 @@ def _canonical(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _table(key: str, value: object, cls: type[GroupSettings] | type[Timeouts]) -> object:
+def _table(key: str, value: object, cls: _Table) -> object:
     """Build the settings of the ``[key]`` table from its parsed TOML value."""
     if not isinstance(value, dict):
         raise ConfigError(f"{key} must be a table ([{key}]), not {_describe(value)}")
@@ -504,7 +615,7 @@ def _unknown(key: str, prefix: str, known: list[str]) -> str:
     """The message for an unknown key, with the closest known name when there is one."""
     message = f"unknown key {prefix + key!r}"
     if not prefix:
-        for table, cls in (("group", GroupSettings), ("timeouts", Timeouts)):
+        for table, cls in _TABLES.items():
             if key in (f.name for f in fields(cls)):
                 return f"{message}; it belongs in the [{table}] table"
     elif key in (f.name for f in fields(RunManifest)):
@@ -516,7 +627,9 @@ def _unknown(key: str, prefix: str, known: list[str]) -> str:
 
 
 def _toml_value(value: object) -> str:
-    """One scalar as a TOML value (the manifest holds only bool, int, float and str)."""
+    """One value as TOML (the manifest holds bool, int, float, str and tuples of str)."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

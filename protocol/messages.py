@@ -27,6 +27,11 @@ metadata::
 - ``item_max_len``: the same limit for the ``str``/``bytes`` items of a tuple;
 - ``allow_nonfinite``: accept NaN and infinities in a ``float`` field.
 
+Fields added to a message later take a default and come last: the encoder leaves off the
+trailing fields that hold their default, and the decoder fills in the defaults of
+trailing fields a sender left off, so peers that know the field and peers that do not
+still understand each other (:class:`Hello`'s ``certificate``).
+
 :func:`encode_message` runs the same checks, so a peer cannot send what its peers would
 refuse. Large ``bytes`` fields are copied once on decode (out of the received buffer into
 the message's ``bytes``) and never again. Everything here is sans-IO: bytes in, messages
@@ -219,6 +224,8 @@ class _Schema:
     cls: type
     names: tuple[str, ...]
     checks: tuple[_Check, ...]
+    defaults: tuple[object, ...]
+    """the defaults of the trailing fields that have one, in order"""
 
 
 _BY_KIND: dict[int, _Schema] = {}
@@ -253,7 +260,7 @@ def wire_message(kind: int) -> Callable[[type[T]], type[T]]:
             hints = typing.get_type_hints(cls)
         except Exception as e:  # a NameError, or a broken annotation string
             raise TypeError(f"{name}: cannot resolve the field annotations: {e}") from e
-        names, checks = [], []
+        names, checks, defaults = [], [], []
         for f in dataclasses.fields(cls):
             where = f"{name}.{f.name}"
             if not f.init:
@@ -263,7 +270,13 @@ def wire_message(kind: int) -> Callable[[type[T]], type[T]]:
                 raise TypeError(f"{where}: unknown metadata {sorted(unknown)}")
             names.append(f.name)
             checks.append(_compile(hints[f.name], f.metadata, where, item=False))
-        schema = _Schema(kind, cls, tuple(names), tuple(checks))
+            if f.default is not dataclasses.MISSING:
+                defaults.append(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                raise TypeError(f"{where}: a message field's default must be a plain value")
+            elif defaults:
+                raise TypeError(f"{where}: a field without a default follows one with")
+        schema = _Schema(kind, cls, tuple(names), tuple(checks), tuple(defaults))
         _BY_KIND[kind] = schema
         _BY_CLASS[cls] = schema
         return cls
@@ -295,7 +308,12 @@ def encode_message(msg: object) -> bytes:
     schema = _BY_CLASS.get(type(msg))
     if schema is None:
         raise CodecError(f"{type(msg).__qualname__} is not a registered message")
-    return _pack(schema, _checked(schema, [getattr(msg, name) for name in schema.names]))
+    values = _checked(schema, [getattr(msg, name) for name in schema.names])
+    # trailing fields at their default stay off the wire (peers without them still read it)
+    optional = len(schema.names) - len(schema.defaults)
+    while len(values) > optional and values[-1] == schema.defaults[len(values) - 1 - optional]:
+        values.pop()
+    return _pack(schema, values)
 
 
 def _pack(schema: _Schema, values: list[object]) -> bytes:
@@ -371,8 +389,11 @@ def decode_message(data: bytes | memoryview, *, max_bytes: int = MAX_FRAME_BYTES
     name = schema.cls.__qualname__
     if not isinstance(values, tuple):
         raise CodecError(f"{name}: fields are {_type_name(values)}, not an array")
-    if len(values) != len(schema.names):
-        raise CodecError(f"{name}: {len(values)} fields, expected {len(schema.names)}")
+    total, optional = len(schema.names), len(schema.names) - len(schema.defaults)
+    if not optional <= len(values) <= total:
+        expected = f"{optional} to {total}" if schema.defaults else f"{total}"
+        raise CodecError(f"{name}: {len(values)} fields, expected {expected}")
+    values = (*values, *schema.defaults[len(values) - optional :])
     checked = _checked(schema, values)
     try:
         return schema.cls(*checked)
@@ -500,7 +521,8 @@ class Hello:
 
     It says who is speaking and for which run. A peer closes the stream when the other
     side's ``run_id`` is not its own run's (:meth:`atoll.protocol.manifest.RunManifest.run_id`):
-    peers of different runs never mix.
+    peers of different runs never mix. In a private run it also closes the stream when the
+    other side is not a member (``certificate``, checked by the node's membership policy).
     """
 
     protocol: int
@@ -511,3 +533,6 @@ class Hello:
     """the sender's libp2p peer id (base58)"""
     agent: str = field(metadata={"max_len": 64})
     """the sender's software and version, e.g. ``atoll/0.1.0``"""
+    certificate: bytes | None = field(default=None, metadata={"max_len": 320})
+    """the sender's member certificate in a private run (None: it shows none); left off
+    the wire when None, so a Hello without one reads as before the field existed"""

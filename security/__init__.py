@@ -5,10 +5,11 @@ Map of the modules:
 - ``identity``  a node's persistent Ed25519 key file, its libp2p peer id, and the lock
                 that keeps two running nodes from sharing one identity
 - ``signing``   signed envelopes: a payload bound to a domain and to its signer's key
+- ``membership`` who may take part in a run: public, an allowlist, or member certificates
+                signed by an organisation key; revocation
 
-Still to come with the swarm and the trust work: membership (allowlists, organisation
-certificates), record validation for the DHT, contribution checks, robust aggregation,
-strikes and bans.
+Still to come with the trust work: contribution checks, robust aggregation, strikes and
+bans.
 
 It imports only :mod:`atoll.protocol` (never libp2p: the node layer turns an
 :class:`Identity` into a libp2p key pair). The errors it adds to the tree of
@@ -18,7 +19,8 @@ It imports only :mod:`atoll.protocol` (never libp2p: the node layer turns an
     └── IdentityError        unusable identity file (unsafe mode, malformed, unreadable)
         └── IdentityInUse    another running node holds the identity's lock
     RejectedInput
-    └── BadSignature         a signed envelope that must not be trusted
+    ├── BadSignature         a signed envelope that must not be trusted
+    └── NotAMember           a peer the run's membership does not admit
 """
 
 from atoll.security.identity import (
@@ -31,6 +33,13 @@ from atoll.security.identity import (
     peer_id_from_public_key,
     public_key_from_peer_id,
 )
+from atoll.security.membership import (
+    Certificate,
+    Membership,
+    NotAMember,
+    issue,
+    read_certificate,
+)
 from atoll.security.signing import (
     BadSignature,
     SignedEnvelope,
@@ -41,16 +50,21 @@ from atoll.security.signing import (
 
 __all__ = [
     "BadSignature",
+    "Certificate",
     "Identity",
     "IdentityError",
     "IdentityInUse",
     "IdentityLock",
+    "Membership",
+    "NotAMember",
     "SignedEnvelope",
     "generate",
+    "issue",
     "load_or_create",
     "open_envelope",
     "peer_id_from_public_key",
     "public_key_from_peer_id",
+    "read_certificate",
     "seal",
     "signer_peer_id",
 ]

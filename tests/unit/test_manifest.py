@@ -14,6 +14,7 @@ from atoll.protocol.errors import ConfigError
 from atoll.protocol.manifest import (
     MANIFEST_VERSION,
     GroupSettings,
+    MembershipSettings,
     RunManifest,
     Timeouts,
     short_id,
@@ -90,7 +91,7 @@ def test_defaults_are_valid() -> None:
 
 
 def test_every_field_is_covered_by_the_change_tables() -> None:
-    top = {f.name for f in dataclasses.fields(RunManifest)} - {"group", "timeouts"}
+    top = {f.name for f in dataclasses.fields(RunManifest)} - {"group", "timeouts", "membership"}
     assert set(CHANGED_TOP) == top
     assert set(CHANGED_GROUP) == {f.name for f in dataclasses.fields(GroupSettings)}
     assert set(CHANGED_TIMEOUTS) == {f.name for f in dataclasses.fields(Timeouts)}
@@ -318,3 +319,65 @@ def test_short_id() -> None:
     assert short_id("0123456789abcdef" * 4) == "0123456789ab"
     with pytest.raises(ConfigError):
         short_id(None)  # type: ignore[arg-type]
+
+
+# -- [membership] ---------------------------------------------------------------------------
+PEER_A = "12D3KooWEhEp2xFoSRFxbcfJQWqcfxwqM44MizWbBey19ctVX25H"
+PEER_B = "12D3KooWBQ7UoSFywWj1g7eUaGrsWkbyt9SFnR8gc4LqhGHuC953"
+ORG_KEY = "1c65273e9ac92b4d125e7303a7b8d0c05ba2f26d1762127e668feb8f96ab54e8"
+
+
+def test_a_manifest_without_membership_keeps_its_run_id() -> None:
+    # computed with the manifest code before [membership] existed: must never change
+    assert RunManifest(name="x").run_id() == (
+        "aa4754755ebc1f91065ddeccf80bf42e0a52366552c8c432b4a0472e9b22bbcf"
+    )
+    explicit = RunManifest.from_toml('name = "x"\n[membership]\nmode = "public"\n')
+    assert explicit.run_id() == RunManifest(name="x").run_id()
+    assert "[membership]" not in RunManifest(name="x").to_toml()
+
+
+def test_membership_changes_the_run_id_and_round_trips() -> None:
+    tables = [
+        MembershipSettings(mode="private", allowlist=(PEER_A,)),
+        MembershipSettings(mode="private", allowlist=(PEER_A, PEER_B)),
+        MembershipSettings(mode="private", org_key=ORG_KEY),
+        MembershipSettings(mode="private", org_key=ORG_KEY, revoked=(PEER_B,)),
+        MembershipSettings(mode="private", org_key=ORG_KEY, revoked=("ab" * 32,)),
+        MembershipSettings(revoked=(PEER_B,)),
+    ]
+    ids = {base().run_id()}
+    for table in tables:
+        m = dataclasses.replace(base(), membership=table)
+        ids.add(m.run_id())
+        again = RunManifest.from_toml(m.to_toml())
+        assert again == m and again.run_id() == m.run_id()
+    assert len(ids) == 1 + len(tables)
+
+
+def test_membership_normal_form() -> None:
+    a = MembershipSettings(
+        mode="private", allowlist=[PEER_B, PEER_A, PEER_A], org_key=ORG_KEY.upper()
+    )
+    b = MembershipSettings(mode="private", allowlist=(PEER_A, PEER_B), org_key=ORG_KEY)
+    assert a == b and a.allowlist == tuple(sorted((PEER_A, PEER_B)))
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ('mode = "secret"', "membership.mode must be one of"),
+        ('mode = "private"', "needs an allowlist, an org_key or both"),
+        (f'allowlist = ["{PEER_A}"]', "need membership.mode = 'private'"),
+        ('mode = "private"\nallowlist = ["not-a-peer"]', "is not an Ed25519 peer id"),
+        ('mode = "private"\nallowlist = "x"', "must be an array of peer ids"),
+        ('mode = "private"\nallowlist = [1]', "is not a string"),
+        ('mode = "private"\norg_key = "abc"', "must be 64 hex digits"),
+        ('revoked = ["zz"]', "neither a peer id nor a certificate id"),
+        ("mode = 1", "must be a string"),
+        ('modes = "private"', "did you mean 'membership.mode'"),
+    ],
+)
+def test_bad_membership_tables_are_refused(table: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        RunManifest.from_toml(f'name = "x"\n[membership]\n{table}\n')

@@ -24,6 +24,7 @@ SAMPLES: dict[object, object] = {
     float: 3.5,
     bytes: b"\x01\x02\x03",
     tuple[str, ...]: ("peer-a", "peer-b"),
+    bytes | None: b"\x09",
 }
 MESSAGES = [
     Hello,
