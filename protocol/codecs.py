@@ -716,6 +716,9 @@ class E3M0Codec(Codec):
     def decode(self, data: Buffer, numel: int) -> F32Array:
         """Expand codes to ``±s * 2**-k``; non-finite or negative scales raise CodecError."""
         n = _check_numel(numel)
+        # the payload's length is checked before the output is allocated: a hostile or
+        # broken count (10**12, say) must fail as a CodecError, not as a MemoryError
+        _byte_view(data, self.name, self.encoded_size(n))
         out = np.empty(n, dtype=np.float32)
         self.decode_into(data, n, out)
         return out

@@ -146,7 +146,18 @@ class SignedEnvelope:
         if size > max_bytes:
             raise CodecError(f"envelope of {size} bytes is over the limit of {max_bytes} bytes")
         try:
-            fields = msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)
+            # an envelope holds no map and no array but its own five fields: limits that
+            # say so keep a hostile megabyte of tiny maps or array headers (a "msgpack
+            # bomb", ~80 bytes of Python objects per byte) from being built at all
+            fields = msgpack.unpackb(
+                data,
+                raw=False,
+                use_list=False,
+                strict_map_key=True,
+                max_map_len=0,
+                max_array_len=_FIELDS,
+                max_ext_len=0,
+            )
         except Exception as e:  # hostile bytes may raise anything msgpack has; none escapes
             raise CodecError(f"envelope is not valid msgpack: {type(e).__name__}: {e}") from None
         if not isinstance(fields, tuple) or len(fields) != _FIELDS:
