@@ -3,7 +3,8 @@
 Map of the modules:
 
 - ``keys``       the key schema: ``/atoll/v1/<run tag>/...`` record and topic keys, parsing
-- ``records``    typed, sealed, expiring records (peer, ready, state) and their rules
+- ``records``    typed, sealed, expiring records (peer, ready, state, attestation) and
+                 their rules
 - ``directory``  one node's view of its run, built from records, on an injected clock
 - ``kad``        the network adapter: py-libp2p's Kademlia DHT under ``/atoll/kad/1.0.0``
                  (``AtollDHT``, trio); not re-exported here, so importing the package
@@ -85,10 +86,13 @@ from atoll.dht.keys import (
     MAX_KEY_BYTES,
     MAX_TOPIC_BYTES,
     NAMESPACE,
+    AttestKey,
     PeerKey,
     ReadyKey,
     RecordKey,
     StateKey,
+    attest_key,
+    attest_topic,
     parse_key,
     peer_key,
     peers_topic,
@@ -104,6 +108,7 @@ from atoll.dht.records import (
     MAX_TTL_S,
     MAX_VALUE_BYTES,
     RECORD_DOMAIN,
+    AttestationRecord,
     PeerRecord,
     ReadyRecord,
     Record,
@@ -129,6 +134,8 @@ __all__ = [
     "MAX_VALUE_BYTES",
     "NAMESPACE",
     "RECORD_DOMAIN",
+    "AttestKey",
+    "AttestationRecord",
     "Clock",
     "DirectorySummary",
     "FragmentSummary",
@@ -144,6 +151,8 @@ __all__ = [
     "RejectedRecord",
     "StateKey",
     "StateRecord",
+    "attest_key",
+    "attest_topic",
     "check_record",
     "decode_value",
     "encode_value",

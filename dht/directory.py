@@ -174,11 +174,13 @@ class PeerDirectory:
             if not self._admit(self._ready.get(slot, {}).get(peer), record, now):
                 return False
             self._ready.setdefault(slot, {})[peer] = record
-        else:
+        elif isinstance(record, StateRecord):
             fragment = record.fragment
             if not self._admit(self._state.get(fragment, {}).get(peer), record, now):
                 return False
             self._state.setdefault(fragment, {})[peer] = record
+        else:  # attestations are the certificate checks' (atoll.protocol.certificate)
+            return False
         logger.debug(
             "run %s: stored the %s of peer %s",
             short_id(self._run_id),

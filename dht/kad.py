@@ -178,6 +178,8 @@ from atoll.dht import libp2p_internals, quorum
 from atoll.dht.directory import Clock
 from atoll.dht.keys import (
     NAMESPACE,
+    attest_key,
+    attest_topic,
     check_run_id,
     parse_key,
     peer_key,
@@ -189,6 +191,7 @@ from atoll.dht.libp2p_internals import LIBRARY_PROTOCOL
 from atoll.dht.quorum import Reply, Tally
 from atoll.dht.records import (
     DEFAULT_MAX_SKEW_S,
+    AttestationRecord,
     PeerRecord,
     ReadyRecord,
     Record,
@@ -735,6 +738,37 @@ class AtollDHT:
             topic_of=lambda run_id: ready_topic(run_id, fragment, slot),
             key_of=lambda run_id, peer: ready_key(run_id, fragment, slot, peer),
             what=f"fragment {fragment} slot {slot}",
+        )
+
+    async def announce_attestation(self, record: AttestationRecord) -> None:
+        """Publish ``record`` (:meth:`put`) and announce this node as a provider of the
+        topic of its fragment and version, so that :meth:`find_attestations` finds it.
+
+        Raises as :meth:`announce_ready` does.
+        """
+        record = self._own_record(record, AttestationRecord, "announce_attestation")
+        await self.put(record)
+        await self._provide(
+            attest_topic(record.run_id, record.fragment, record.version),
+            f"attestation of fragment {record.fragment} version {record.version}",
+        )
+
+    async def find_attestations(
+        self, fragment: int, version: int, *, limit: int = 32
+    ) -> list[AttestationRecord]:
+        """The valid AttestationRecords of the peers that attested ``fragment`` at
+        ``version`` (at most ``limit`` providers; the records' seals are checked, the
+        attestations' own seals are the certificate check's to open). Sorted by peer id.
+
+        Raises as :meth:`find_ready` does.
+        """
+        return await self._find(
+            AttestationRecord,
+            "find_attestations",
+            limit,
+            topic_of=lambda run_id: attest_topic(run_id, fragment, version),
+            key_of=lambda run_id, peer: attest_key(run_id, fragment, version, peer),
+            what=f"attestations of fragment {fragment} version {version}",
         )
 
     async def announce_peer(self, record: PeerRecord) -> None:

@@ -9,6 +9,7 @@ atoll key to the one validator registered for the namespace ``atoll``. Two famil
     /atoll/v1/<run_tag>/peer/<peer_id>                      a PeerRecord
     /atoll/v1/<run_tag>/ready/<fragment>/<slot>/<peer_id>   a ReadyRecord
     /atoll/v1/<run_tag>/state/<fragment>/<peer_id>          a StateRecord
+    /atoll/v1/<run_tag>/cert/<fragment>/<version>/<peer_id> an AttestationRecord
 
 *Topic keys* are rendezvous points that many peers announce themselves under as libp2p
 *providers* (``ADD_PROVIDER``/``GET_PROVIDERS``); a reader lists the providers of a topic
@@ -17,6 +18,7 @@ and then fetches each one's record key::
     /atoll/v1/<run_tag>/peers                  every peer of the run
     /atoll/v1/<run_tag>/ready/<fragment>/<slot> peers ready for that sync
     /atoll/v1/<run_tag>/state/<fragment>       peers that can serve that fragment's state
+    /atoll/v1/<run_tag>/cert/<fragment>/<version> peers that attested that version
 
 Why the peer id is part of every record key: a Kademlia key holds a single value (the
 validator's ``select`` keeps one), so a key shared by all ready peers of a slot would keep
@@ -54,10 +56,13 @@ __all__ = [
     "NAMESPACE",
     "RUN_ID_LEN",
     "RUN_TAG_LEN",
+    "AttestKey",
     "PeerKey",
     "ReadyKey",
     "RecordKey",
     "StateKey",
+    "attest_key",
+    "attest_topic",
     "check_peer_id",
     "check_run_id",
     "parse_key",
@@ -190,7 +195,22 @@ class StateKey:
         return f"{KEY_PREFIX}{self.run_tag}/state/{self.fragment}/{self.peer_id}"
 
 
-RecordKey: TypeAlias = PeerKey | ReadyKey | StateKey
+@dataclass(frozen=True, slots=True)
+class AttestKey:
+    """The key of a peer's :class:`~atoll.dht.records.AttestationRecord` for one version
+    of one fragment (its version is a slot: same bounds)."""
+
+    run_tag: str
+    fragment: int
+    version: int
+    peer_id: str
+
+    def key(self) -> str:
+        """The key text."""
+        return f"{KEY_PREFIX}{self.run_tag}/cert/{self.fragment}/{self.version}/{self.peer_id}"
+
+
+RecordKey: TypeAlias = PeerKey | ReadyKey | StateKey | AttestKey
 """A parsed record key."""
 
 
@@ -216,6 +236,16 @@ def state_key(run_id: str, fragment: int, peer_id: str) -> str:
     ).key()
 
 
+def attest_key(run_id: str, fragment: int, version: int, peer_id: str) -> str:
+    """Where ``peer_id`` publishes its attestation of ``fragment`` at ``version``."""
+    return AttestKey(
+        run_tag(run_id),
+        _check_index("fragment", fragment, MAX_FRAGMENT),
+        _check_index("version", version, MAX_SLOT),
+        check_peer_id(peer_id),
+    ).key()
+
+
 def parse_key(key: object) -> RecordKey:
     """The record key spelled by ``key``; anything else (a topic key too) is CodecError.
 
@@ -231,11 +261,11 @@ def parse_key(key: object) -> RecordKey:
     tag, kind, rest = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
     if _RUN_TAG.fullmatch(tag) is None:
         raise CodecError(f"DHT key {_show(key)}: the run tag is not {RUN_TAG_LEN} hex digits")
-    shapes = {"peer": 1, "ready": 3, "state": 2}
+    shapes = {"peer": 1, "ready": 3, "state": 2, "cert": 3}
     if kind not in shapes or len(rest) != shapes[kind]:
         raise CodecError(
             f"DHT key {_show(key)} is not a record key (peer/<id>, ready/<fragment>/<slot>/<id>"
-            " or state/<fragment>/<id>)"
+            ", state/<fragment>/<id> or cert/<fragment>/<version>/<id>)"
         )
     peer_id = check_peer_id(rest[-1])
     if kind == "peer":
@@ -243,6 +273,8 @@ def parse_key(key: object) -> RecordKey:
     fragment = _parse_index("fragment", rest[0], MAX_FRAGMENT)
     if kind == "state":
         return StateKey(tag, fragment, peer_id)
+    if kind == "cert":
+        return AttestKey(tag, fragment, _parse_index("version", rest[1], MAX_SLOT), peer_id)
     return ReadyKey(tag, fragment, _parse_index("slot", rest[1], MAX_SLOT), peer_id)
 
 
@@ -263,3 +295,10 @@ def state_topic(run_id: str, fragment: int) -> str:
     """The topic the peers that can serve ``fragment``'s global state provide."""
     fragment = _check_index("fragment", fragment, MAX_FRAGMENT)
     return f"{KEY_PREFIX}{run_tag(run_id)}/state/{fragment}"
+
+
+def attest_topic(run_id: str, fragment: int, version: int) -> str:
+    """The topic the peers that attested ``fragment`` at ``version`` provide."""
+    fragment = _check_index("fragment", fragment, MAX_FRAGMENT)
+    version = _check_index("version", version, MAX_SLOT)
+    return f"{KEY_PREFIX}{run_tag(run_id)}/cert/{fragment}/{version}"

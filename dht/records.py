@@ -1,12 +1,15 @@
 """Typed, signed, expiring DHT records, and the rules a record must pass to be used.
 
-Three records, each a wire message (:func:`atoll.protocol.messages.wire_message`) stored
+Four records, each a wire message (:func:`atoll.protocol.messages.wire_message`) stored
 under the key :mod:`atoll.dht.keys` gives it:
 
 - :class:`PeerRecord`  who a peer is: addresses, agent, throughput, per-fragment versions;
 - :class:`ReadyRecord` a :class:`~atoll.protocol.matchmaking.Declaration` with a lifetime:
   the peer is ready to average one fragment's sync slot;
-- :class:`StateRecord` the peer can serve one fragment's global state at a version.
+- :class:`StateRecord` the peer can serve one fragment's global state at a version;
+- :class:`AttestationRecord` the peer's signed attestation that its round committed one
+  fragment's version (:class:`~atoll.protocol.certificate.Attestation`): a quorum of
+  them, from distinct members, certifies that state.
 
 A stored DHT value is the record's wire bytes *sealed* by its publisher
 (:class:`RecordSigner`): :func:`encode_value` checks and seals, :func:`decode_value`
@@ -57,9 +60,11 @@ from atoll.dht.keys import (
     MAX_PEER_ID_LEN,
     MAX_SLOT,
     RUN_ID_LEN,
+    AttestKey,
     PeerKey,
     ReadyKey,
     StateKey,
+    attest_key,
     check_peer_id,
     check_run_id,
     parse_key,
@@ -67,6 +72,7 @@ from atoll.dht.keys import (
     ready_key,
     state_key,
 )
+from atoll.protocol.certificate import MAX_ATTESTATION_BYTES
 from atoll.protocol.errors import CodecError, ConfigError, RejectedInput
 from atoll.protocol.matchmaking import Declaration
 from atoll.protocol.messages import decode_message, encode_message, wire_message
@@ -83,6 +89,7 @@ __all__ = [
     "MAX_TTL_S",
     "MAX_VALUE_BYTES",
     "RECORD_DOMAIN",
+    "AttestationRecord",
     "PeerRecord",
     "ReadyRecord",
     "Record",
@@ -305,11 +312,55 @@ class StateRecord:
         return state_key(self.run_id, self.fragment, self.peer_id)
 
 
-Record: TypeAlias = PeerRecord | ReadyRecord | StateRecord
+MAX_SEALED_ATTESTATION: int = MAX_ATTESTATION_BYTES + MAX_SEAL_OVERHEAD
+"""Most bytes of the sealed attestation an :class:`AttestationRecord` carries."""
+
+
+@wire_message(103)
+@dataclass(frozen=True, slots=True)
+class AttestationRecord:
+    """The peer's sealed attestation of ``fragment`` at ``version`` with ``digest``.
+
+    ``attestation`` is :func:`~atoll.protocol.certificate.seal_attestation`'s output,
+    signed on its own (domain ``atoll/state-attestation/v1``), so a certificate gathered
+    from these records can be handed on and checked without the DHT. ``version`` and
+    ``digest`` repeat what it attests, so a reader picks the records of one state before
+    opening any seal; a record whose attestation says otherwise is refused by the reader's
+    certificate check, not here (the record rules check no second signature).
+    """
+
+    peer_id: str = field(metadata=_PEER)
+    """the publisher (and signer of the attestation)"""
+    run_id: str = field(metadata=_RUN)
+    """the run it trains in (64 hex digits)"""
+    fragment: int
+    """the fragment index"""
+    version: int
+    """the version the attested round made"""
+    digest: str = field(metadata=_DIGEST)
+    """hex digest of that state"""
+    attestation: bytes = field(metadata={"max_len": MAX_SEALED_ATTESTATION})
+    """the sealed :class:`~atoll.protocol.certificate.Attestation`"""
+    issued_at: float
+    """publisher's wall time at publication"""
+    expires_at: float
+    """publisher's wall time after which the record is void"""
+
+    def key(self) -> str:
+        """The DHT key this record is stored under."""
+        return attest_key(self.run_id, self.fragment, self.version, self.peer_id)
+
+
+Record: TypeAlias = PeerRecord | ReadyRecord | StateRecord | AttestationRecord
 """Any DHT record."""
 
-_RECORD_TYPES = (PeerRecord, ReadyRecord, StateRecord)
-_KEY_TYPES: dict[type, type] = {PeerRecord: PeerKey, ReadyRecord: ReadyKey, StateRecord: StateKey}
+_RECORD_TYPES = (PeerRecord, ReadyRecord, StateRecord, AttestationRecord)
+_KEY_TYPES: dict[type, type] = {
+    PeerRecord: PeerKey,
+    ReadyRecord: ReadyKey,
+    StateRecord: StateKey,
+    AttestationRecord: AttestKey,
+}
 
 
 # -- signatures -------------------------------------------------------------------------------
@@ -389,6 +440,16 @@ def _state_problem(r: StateRecord) -> str | None:
     )
 
 
+def _attestation_problem(r: AttestationRecord) -> str | None:
+    return (
+        _index_problem("fragment", r.fragment, MAX_FRAGMENT)
+        or _index_problem("version", r.version, MAX_SLOT)
+        or (None if r.version >= 1 else "version 0 (the seed) is never attested")
+        or _digest_problem("digest", r.digest, empty=False)
+        or (None if r.attestation else "attestation is empty")
+    )
+
+
 def _checked_payload(record: object) -> bytes:
     """The wire bytes of ``record`` once every rule that needs no key or clock holds."""
     if not isinstance(record, _RECORD_TYPES):
@@ -407,6 +468,8 @@ def _checked_payload(record: object) -> bytes:
         problem = _peer_problem(record)
     elif isinstance(record, ReadyRecord):
         problem = _ready_problem(record)
+    elif isinstance(record, AttestationRecord):
+        problem = _attestation_problem(record)
     else:
         problem = _state_problem(record)
     if problem is not None:
@@ -464,8 +527,8 @@ def _check_key(record: Record, key: str) -> None:
         raise RejectedRecord(
             "key", f"the {name} is about peer {record.peer_id}, the key names {parsed.peer_id}"
         )
-    if isinstance(parsed, ReadyKey | StateKey):
-        assert isinstance(record, ReadyRecord | StateRecord)  # by the kind check above
+    if isinstance(parsed, ReadyKey | StateKey | AttestKey):
+        assert isinstance(record, ReadyRecord | StateRecord | AttestationRecord)
         if parsed.fragment != record.fragment:
             raise RejectedRecord(
                 "key", f"the {name} is for fragment {record.fragment}, the key {parsed.fragment}"
@@ -475,6 +538,13 @@ def _check_key(record: Record, key: str) -> None:
         if parsed.slot != record.slot:
             raise RejectedRecord(
                 "key", f"the {name} is for slot {record.slot}, the key for slot {parsed.slot}"
+            )
+    if isinstance(parsed, AttestKey):
+        assert isinstance(record, AttestationRecord)
+        if parsed.version != record.version:
+            raise RejectedRecord(
+                "key",
+                f"the {name} is for version {record.version}, the key for {parsed.version}",
             )
 
 

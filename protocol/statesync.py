@@ -19,7 +19,10 @@ Pieces (sans-IO, numpy only):
   follows: the highest version; among equal versions, the one held by most peers; then
   the smallest digest. Every peer computes it from the same declarations and so agrees;
   a peer rebases when the leading state is not its own and is ahead of it
-  (:func:`should_rebase`);
+  (:func:`should_rebase`). Only *believed* states take part: a ``believes(version,
+  digest)`` check (:class:`~atoll.protocol.certificate.CertifiedStates`: the seed, or a
+  state with a valid certificate) leaves out what a peer merely declares, so a forged
+  version 10^6 is never followed and nobody tries to fetch it;
 - :class:`StateRequest` / :class:`StateChunk`: the wire messages (kinds 30 and 31). The
   encoding is cut into chunks of at most :data:`CHUNK_BYTES`; :class:`StateAssembler`
   puts them back together and checks every chunk against the first (same version, digest
@@ -32,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,10 +45,12 @@ from atoll.protocol.messages import wire_message
 
 __all__ = [
     "CHUNK_BYTES",
+    "Believes",
     "FragmentState",
     "StateAssembler",
     "StateChunk",
     "StateRequest",
+    "believing_own",
     "chunks_of",
     "decode_state",
     "leading_state",
@@ -60,6 +65,10 @@ _MAGIC = b"ATST"
 _HEADER = struct.Struct(">4sQQQQ")  # magic, version, optimizer steps, inner step, numel
 _ID = {"max_len": 128}
 DIGEST_LEN = 32  # hex digits of a state digest (128 bits)
+
+Believes = Callable[[int, str], bool]
+"""``believes(version, digest)``: whether a declared state of the fragment may be
+followed (certified, or the seed)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -147,29 +156,47 @@ def decode_state(data: bytes, numel: int) -> FragmentState:
 # --------------------------------------------------------------------------------------
 # which state the swarm follows
 # --------------------------------------------------------------------------------------
-def leading_state(holdings: Iterable[tuple[str, int, str]]) -> tuple[int, str] | None:
+def leading_state(
+    holdings: Iterable[tuple[str, int, str]], *, believes: Believes | None = None
+) -> tuple[int, str] | None:
     """The ``(version, digest)`` the swarm follows, from ``(peer, version, digest)`` triples.
 
     Highest version first; then most peers holding it (each peer counted once per state);
-    then the smallest digest. None when there is nothing to choose from.
+    then the smallest digest. With ``believes``, states it does not believe are left out
+    first. None when there is nothing to choose from.
     """
     seen: dict[tuple[int, str], set[str]] = {}
     for peer, version, digest in holdings:
-        seen.setdefault((version, digest), set()).add(peer)
+        if believes is None or believes(version, digest):
+            seen.setdefault((version, digest), set()).add(peer)
     if not seen:
         return None
     counts = Counter({k: len(v) for k, v in seen.items()})
     return min(counts, key=lambda k: (-k[0], -counts[k], k[1]))
 
 
-def should_rebase(me: str, mine: tuple[int, str], holdings: Iterable[tuple[str, int, str]]) -> bool:
+def should_rebase(
+    me: str,
+    mine: tuple[int, str],
+    holdings: Iterable[tuple[str, int, str]],
+    *,
+    believes: Believes | None = None,
+) -> bool:
     """Whether peer ``me`` holding ``mine`` must copy the leading state before it may group.
 
-    The leading state is taken over ``holdings`` and this peer's own; True when it is not
-    ``mine``. A peer that holds the leading state never rebases.
+    The leading state is taken over the believed ``holdings`` and this peer's own (which
+    it always believes: it committed or checked it); True when it is not ``mine``. A peer
+    that holds the leading state never rebases.
     """
-    lead = leading_state([*holdings, (me, *mine)])
+    lead = leading_state([*holdings, (me, *mine)], believes=believing_own(believes, mine))
     return lead is not None and lead != mine
+
+
+def believing_own(believes: Believes | None, mine: tuple[int, str]) -> Believes | None:
+    """``believes`` that also believes ``mine`` (a peer's own state); None stays None."""
+    if believes is None:
+        return None
+    return lambda version, digest: (version, digest) == mine or believes(version, digest)
 
 
 # --------------------------------------------------------------------------------------

@@ -44,6 +44,13 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    state at least as new as the target, :meth:`FragmentSync.fetch_failed` moves on to the
    next holder) or to finish (:class:`SyncDone`).
 
+Certified states. With ``believes`` (``(version, digest) -> bool``, a node's
+:class:`~atoll.protocol.certificate.CertifiedStates`), the rebase rule follows only
+believed states (:func:`~atoll.protocol.statesync.should_rebase`): a declared version
+without a certificate is never fetched. After a committed round of a formed group,
+:attr:`FragmentSync.attestation` is what this member signs and publishes: the new
+version and digest, the parent digest the round started from and the sorted members.
+
 The first error is latched: :meth:`FragmentSync.abort` (a cancelled driver, an
 unexpected failure) rolls the sync back exactly once and every later event returns the
 same :class:`SyncDone`. A committed round is never undone by a later abort.
@@ -65,6 +72,7 @@ import numpy as np
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
+from atoll.protocol.certificate import MAX_MEMBERS, Attestation
 from atoll.protocol.engine import OuterEngine, SyncRequest
 from atoll.protocol.errors import AtollError, ConfigError
 
@@ -165,6 +173,7 @@ class FragmentSync:
         peer_id: str,
         run_id: str,
         on_change: OnChange | None = None,
+        believes: ss.Believes | None = None,
     ) -> None:
         if not 0 <= fragment < engine.num_fragments:
             raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
@@ -173,6 +182,8 @@ class FragmentSync:
         self.peer_id = peer_id
         self.run_id = run_id
         self._on_change = on_change
+        self._believes = believes
+        self._attestation: Attestation | None = None
         self._phase: Phase = "idle"
         self._request: SyncRequest | None = None
         self._digest = ""
@@ -208,6 +219,12 @@ class FragmentSync:
     def round_reason(self) -> str:
         """Why the round was not applied (empty while none failed or when it was)."""
         return self._reason
+
+    @property
+    def attestation(self) -> Attestation | None:
+        """What this member attests after a committed round of a formed group (None
+        otherwise, and for a group over :data:`~atoll.protocol.certificate.MAX_MEMBERS`)."""
+        return self._attestation
 
     @property
     def result(self) -> SyncDone | None:
@@ -292,6 +309,18 @@ class FragmentSync:
         self._committed = True
         self._status = "applied"
         members = self._members
+        if members and self._digest and len(members) <= MAX_MEMBERS:
+            try:
+                self._attestation = Attestation(
+                    self.run_id,
+                    self.fragment,
+                    self.engine.version(self.fragment),
+                    self.engine.digest(self.fragment),
+                    self._digest,
+                    tuple(sorted(members)),
+                )
+            except AtollError as e:  # a member id no attestation can carry: none
+                log.info("fragment %d: no attestation of the round: %s", self.fragment, e)
         self._changed(f"{request.round}/{members[0]}" if members else f"{request.round}/local")
         return self._next_after_round(holdings)
 
@@ -409,9 +438,10 @@ class FragmentSync:
         if not others:  # nobody to follow (and no hash of the state needed to know it)
             return None
         mine = (self.engine.version(self.fragment), self.engine.digest(self.fragment))
-        if not ss.should_rebase(self.peer_id, mine, others):
+        believes = ss.believing_own(self._believes, mine)
+        if not ss.should_rebase(self.peer_id, mine, others, believes=self._believes):
             return None
-        target = ss.leading_state([*others, (self.peer_id, *mine)])
+        target = ss.leading_state([*others, (self.peer_id, *mine)], believes=believes)
         assert target is not None
         holders = list(dict.fromkeys(peer for peer, v, d in others if (v, d) == target))
         if not holders:
