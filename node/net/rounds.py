@@ -97,6 +97,13 @@ class Mailbox:
     StateRequest`, say); it runs in its own task per message. ``liveness`` hears of every
     authenticated sender (a message from a peer is proof that it is there). Run
     :meth:`run` in a task.
+
+    What a peer can make it hold is bounded twice, so that one peer (or a few fresh
+    identities) flooding early messages cannot crowd out the others: all held messages
+    together by ``hold_bytes`` and ``hold_messages``, each sender's by ``hold_peer_bytes``
+    and ``hold_peer_messages``. Requests in progress are bounded the same way
+    (``requests``, ``requests_per_peer``). What does not fit is dropped, counted in
+    :attr:`dropped` and logged; nothing else is affected.
     """
 
     def __init__(
@@ -109,6 +116,10 @@ class Mailbox:
         hold_messages: int = 4096,
         closed_s: float = 2.0,
         liveness: Liveness | None = None,
+        hold_peer_bytes: int = 128 * 1024 * 1024,
+        hold_peer_messages: int = 512,
+        requests: int = 64,
+        requests_per_peer: int = 4,
     ) -> None:
         self.host = host
         self.liveness = liveness
@@ -122,6 +133,13 @@ class Mailbox:
         self._closed: dict[Key, float] = {}
         self._held_bytes = 0
         self._held_count = 0
+        self._hold_peer_bytes = hold_peer_bytes
+        self._hold_peer_messages = hold_peer_messages
+        self._peer_held: dict[str, list[int]] = {}  # sender -> [messages, bytes] held
+        self._requests = requests
+        self._requests_per_peer = requests_per_peer
+        self._peer_requests: dict[str, int] = {}  # sender -> requests in progress
+        self._requests_running = 0
         self.dropped = 0
 
     def open(self, key: Key, channel: trio.MemorySendChannel[Event]) -> None:
@@ -131,8 +149,7 @@ class Mailbox:
         self._open[key] = channel
         held = self._held.pop(key, None)
         if held is not None:
-            self._held_bytes -= held.nbytes
-            self._held_count -= len(held.items)
+            self._release(held)
             for sender, msg in held.items:
                 self._deliver(key, channel, sender, msg)
 
@@ -169,7 +186,7 @@ class Mailbox:
         key = key_of(msg)
         if key is None:
             if self._on_request is not None:
-                nursery.start_soon(self._on_request, sender, msg)
+                self._start_request(sender, msg, nursery)
             return
         self._expire(now)
         channel = self._open.get(key)
@@ -180,6 +197,18 @@ class Mailbox:
             self.dropped += 1
             return
         size = _size(msg)
+        mine = self._peer_held.get(sender, [0, 0])
+        if mine[0] >= self._hold_peer_messages or mine[1] + size > self._hold_peer_bytes:
+            logger.info(
+                "peer %s already has %d messages (%d bytes) held for rounds not open: "
+                "dropped its %s",
+                sender,
+                mine[0],
+                mine[1],
+                type(msg).__name__,
+            )
+            self.dropped += 1
+            return
         if self._held_bytes + size > self._hold_bytes or self._held_count >= self._hold_messages:
             logger.info("no room to hold a %s from %s: dropped", type(msg).__name__, sender)
             self.dropped += 1
@@ -189,6 +218,7 @@ class Mailbox:
         held.nbytes += size
         self._held_bytes += size
         self._held_count += 1
+        self._peer_held[sender] = [mine[0] + 1, mine[1] + size]
 
     def _deliver(
         self, key: Key, channel: trio.MemorySendChannel[Event], sender: str, msg: object
@@ -202,11 +232,56 @@ class Mailbox:
             self._open.pop(key, None)
             self.dropped += 1
 
+    def held_by(self, sender: str) -> tuple[int, int]:
+        """Messages and bytes held now from ``sender`` for rounds not yet open."""
+        count, nbytes = self._peer_held.get(sender, (0, 0))
+        return count, nbytes
+
+    def _release(self, held: _Held) -> None:
+        """Take what ``held`` holds off the totals and its senders' shares."""
+        self._held_bytes -= held.nbytes
+        self._held_count -= len(held.items)
+        for sender, msg in held.items:
+            mine = self._peer_held.get(sender)
+            if mine is None:
+                continue
+            mine[0] -= 1
+            mine[1] -= _size(msg)
+            if mine[0] <= 0:
+                del self._peer_held[sender]
+
+    def _start_request(self, sender: str, msg: object, nursery: trio.Nursery) -> None:
+        running = self._peer_requests.get(sender, 0)
+        if running >= self._requests_per_peer or self._requests_running >= self._requests:
+            logger.info(
+                "peer %s has %d requests in progress (%d in all): dropped its %s",
+                sender,
+                running,
+                self._requests_running,
+                type(msg).__name__,
+            )
+            self.dropped += 1
+            return
+        self._peer_requests[sender] = running + 1
+        self._requests_running += 1
+        nursery.start_soon(self._serve_request, sender, msg)
+
+    async def _serve_request(self, sender: str, msg: object) -> None:
+        assert self._on_request is not None
+        try:
+            await self._on_request(sender, msg)
+        finally:
+            self._requests_running -= 1
+            left = self._peer_requests.get(sender, 1) - 1
+            if left > 0:
+                self._peer_requests[sender] = left
+            else:
+                self._peer_requests.pop(sender, None)
+
     def _expire(self, now: float) -> None:
         for key in [k for k, h in self._held.items() if now - h.since > self.hold_s]:
             held = self._held.pop(key)
-            self._held_bytes -= held.nbytes
-            self._held_count -= len(held.items)
+            self._release(held)
             self.dropped += len(held.items)
         for key in [k for k, t in self._closed.items() if now >= t]:
             del self._closed[key]

@@ -339,3 +339,76 @@ def test_a_full_round_channel_drops_and_a_closed_one_unregisters() -> None:
             assert _drain(recv2) == [("msg", later)]
 
     _run(main)
+
+
+def test_one_peer_flooding_early_messages_cannot_crowd_out_the_others() -> None:
+    async def main() -> None:
+        box = _mailbox(hold_peer_messages=3, hold_messages=10)
+        async with trio.open_nursery() as nursery:
+            for rnd in range(100):  # a flood of early messages for rounds never opened
+                box.route("mallory", _part("mallory", rnd=rnd), nursery)
+            box.route("peer-a", _part("peer-a"), nursery)
+        assert box.held_by("mallory") == (3, 3 * 256)
+        assert box.dropped == 97
+        send, recv = trio.open_memory_channel[Any](10)
+        box.open(AR_KEY, send)  # round 4: peer-a's part (mallory's share held rounds 0-2)
+        assert [m.sender for _, m in _drain(recv)] == ["peer-a"]
+        assert box.held_by("peer-a") == (0, 0)
+        box.open(("ar", "run", 1, 0), send)
+        assert [m.sender for _, m in _drain(recv)] == ["mallory"]
+        assert box.held_by("mallory") == (2, 2 * 256)
+
+    _run(main)
+
+
+def test_a_peer_over_its_share_of_held_bytes_is_dropped() -> None:
+    async def main() -> None:
+        box = _mailbox(hold_peer_bytes=3000)
+        async with trio.open_nursery() as nursery:
+            box.route("mallory", _part("mallory", chunk=0, payload=b"x" * 2000), nursery)
+            box.route("mallory", _part("mallory", chunk=1, payload=b"x" * 2000), nursery)
+            box.route("peer-a", _part("peer-a", payload=b"x" * 2000), nursery)
+        assert box.held_by("mallory") == (1, 2256)
+        assert box.held_by("peer-a") == (1, 2256)
+        assert box.dropped == 1
+
+    _run(main)
+
+
+def test_expiry_frees_each_peers_share() -> None:
+    async def main() -> None:
+        box = _mailbox(hold_s=5.0, hold_peer_messages=2)
+        async with trio.open_nursery() as nursery:
+            for rnd in range(2):
+                box.route("mallory", _part("mallory", rnd=rnd), nursery)
+            await trio.sleep(6.0)
+            box.route("mallory", _part("mallory", rnd=7), nursery)
+        assert box.held_by("mallory") == (1, 256)
+
+    _run(main)
+
+
+def test_requests_in_progress_are_bounded_per_peer_and_overall() -> None:
+    async def main() -> None:
+        release = trio.Event()
+        served: list[str] = []
+
+        async def on_request(sender: str, msg: object) -> None:
+            served.append(sender)
+            await release.wait()
+
+        box = _mailbox(on_request=on_request, requests=5, requests_per_peer=2)
+        async with trio.open_nursery() as nursery:
+            for _ in range(50):  # a flood of requests that each take long to serve
+                box.route("mallory", ss.StateRequest("mallory", "run", 1), nursery)
+            for peer in ("peer-a", "peer-b", "peer-c", "peer-d"):
+                box.route(peer, ss.StateRequest(peer, "run", 1), nursery)
+            await trio.testing.wait_all_tasks_blocked()
+            assert sorted(served) == ["mallory", "mallory", "peer-a", "peer-b", "peer-c"]
+            assert box.dropped == 48 + 1
+            release.set()
+        async with trio.open_nursery() as nursery:  # finished requests gave their room back
+            box.route("peer-d", ss.StateRequest("peer-d", "run", 1), nursery)
+        assert served[-1] == "peer-d"
+
+    _run(main)
