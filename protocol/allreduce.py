@@ -12,16 +12,21 @@ encoding in each phase) and token-weighted:
    :meth:`RoundSpec.bounds` (:meth:`Codec.slice_payload`, no re-encoding) and sends a
    :class:`Part` to every other chunk owner; it keeps its own chunk.
 2. As the owner of chunk ``j`` it collects one :class:`Part` from every member, checks each
-   (round key, sender, chunk index, weight, decoding, the injected :data:`Validator`), takes
-   the token-weighted fp32 mean in member order with :func:`reduce.weighted_mean`, encodes
-   it once and sends a :class:`Reduced` to every other member.
+   (round key, sender, chunk index, weight, decoding, the injected :data:`Validator`), then,
+   once all are in, checks them against each other (:attr:`RoundSpec.checks`: norms and
+   weights within a bound of the group's, per-peer weight caps), combines them in member
+   order with :func:`reduce.weighted_mean` by :attr:`RoundSpec.aggregation` (the
+   token-weighted fp32 mean by default, or a robust rule of :mod:`~atoll.protocol.robust`),
+   encodes the result once and sends a :class:`Reduced` to every other member.
 3. As a member it collects the :class:`Reduced` chunk from each chunk's owner; once every
    chunk is in and decodes, the round is :class:`Done` with the averaged vector.
 
 The arithmetic is that of :func:`engine.average_requests` chunk by chunk: the weights are
 normalised over the whole group in member order, the mean is taken element by element,
 and chunks cut at the codec's alignment encode exactly like the whole vector, so every
-member that finishes holds the reference result bit for bit.
+member that finishes holds the reference result bit for bit. A robust rule (trimmed mean,
+centered clipping) is applied per chunk, to what that chunk's owner holds; its result is
+not the whole-vector rule's, but every member still commits the same bytes.
 
 Atomicity. A round commits or rolls back as a whole, as in torchft's Manager (errors are
 latched, and a step is committed only when nothing failed). Every member ends in exactly
@@ -30,10 +35,10 @@ one of two states:
 - ``done``: it holds the complete average, and every member that ends ``done`` holds the
   same bytes (each chunk was encoded once, by its owner, and everybody decodes those bytes);
 - ``failed``: it applies nothing. A rejected part (undecodable, non-finite, bad weight,
-  equivocation, refused by the validator), a Reduced chunk from a peer that does not own
-  it, a lost peer it still needed, an :class:`Abort` from a member, or a passed deadline
-  fail the round, and the member sends :class:`Abort` to the others so that they stop
-  waiting too.
+  equivocation, refused by the validator or by the group checks), a Reduced chunk from a
+  peer that does not own it, a lost peer it still needed, an :class:`Abort` from a
+  member, or a passed deadline fail the round, and the member sends :class:`Abort` to the
+  others so that they stop waiting too.
 
 A member is never left with a partly averaged vector and never waits forever: the parts
 for its own chunk are due ``phase_timeout`` after the start and the whole round
@@ -54,17 +59,19 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
+from atoll.protocol.checks import PartChecks, violations
 from atoll.protocol.codecs import Codec, make_codec
 from atoll.protocol.errors import CodecError, ConfigError, RejectedInput
 from atoll.protocol.messages import wire_message
 from atoll.protocol.reduce import Contribution, chunk_bounds, reduce_encoded
+from atoll.protocol.robust import RobustRule
 
 __all__ = [
     "Abort",
@@ -104,13 +111,19 @@ class RoundKey:
 
 @dataclass(frozen=True, slots=True)
 class RoundSpec:
-    """What the group agreed on before the round: members, size and codec.
+    """What the group agreed on before the round: members, size, codec and aggregation.
 
     ``members`` are peer ids in the agreed order: chunk ``j`` of the vector belongs to
     ``members[j]``, and contributions are summed in this order (so every owner computes
     what :func:`engine.average_requests` computes on the requests in this order). The
     chunks are :func:`reduce.chunk_bounds` at the codec's alignment (Streaming DiLoCo,
     arXiv 2501.18512: reduce-scatter of a quantized vector without re-quantization).
+
+    ``aggregation`` is how each owner combines its chunk's parts (default: the
+    token-weighted mean; :class:`robust.RobustRule`). ``checks``, when set, are the bounds
+    every part must meet relative to the group's before its chunk is reduced
+    (:class:`checks.PartChecks`); None checks nothing beyond decoding, size, finiteness and
+    weight sign. Both come from the run's settings: members of a group must agree on them.
     """
 
     key: RoundKey
@@ -118,6 +131,8 @@ class RoundSpec:
     numel: int
     codec: str
     codec_block: int = 128
+    aggregation: RobustRule = field(default_factory=RobustRule)
+    checks: PartChecks | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.members, tuple) or not self.members:
@@ -129,6 +144,10 @@ class RoundSpec:
         if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 0:
             raise ConfigError(f"numel must be an integer >= 0, not {self.numel!r}")
         self.make_codec()  # validates name and block
+        if not isinstance(self.aggregation, RobustRule):
+            raise ConfigError(f"aggregation must be a RobustRule, not {self.aggregation!r}")
+        if self.checks is not None and not isinstance(self.checks, PartChecks):
+            raise ConfigError(f"checks must be PartChecks or None, not {self.checks!r}")
 
     def make_codec(self) -> Codec:
         """The round's codec (:func:`codecs.make_codec` of ``codec`` and ``codec_block``)."""
@@ -163,7 +182,8 @@ class Part:
 @wire_message(11)
 @dataclass(frozen=True, slots=True)
 class Reduced:
-    """An owner's weighted mean of chunk ``chunk``, encoded once, sent to every member.
+    """An owner's aggregate of chunk ``chunk`` (the weighted mean or the round's robust
+    rule), encoded once, sent to every member.
 
     ``total_weight`` is the sum of the members' weights; all owners sum the same weights in
     the same order, so the values of one round must agree.
@@ -269,6 +289,9 @@ class AllReduceRound:
         round_timeout: seconds within which the whole round must finish (reduce-scatter and
             all-gather); at least ``phase_timeout``.
         validator: optional check of each received part (see :data:`Validator`).
+        weight_caps: the largest token weight each listed peer may claim (e.g. from its
+            measured throughput); a part above its sender's cap is rejected before the
+            reduction, naming the sender. Applied whether or not ``spec.checks`` is set.
 
     Raises:
         ConfigError: inconsistent arguments (``me`` not a member, a payload of the wrong
@@ -287,6 +310,7 @@ class AllReduceRound:
         phase_timeout: float,
         round_timeout: float,
         validator: Validator | None = None,
+        weight_caps: Mapping[str, float] | None = None,
     ) -> None:
         if me not in spec.members:
             raise ConfigError(f"{me!r} is not a member of the round's group")
@@ -314,6 +338,7 @@ class AllReduceRound:
         self._payload = bytes(payload)
         self._weight = float(weight)
         self._validator = validator
+        self._caps = dict(weight_caps) if weight_caps else None
         self._bounds = spec.bounds()
         self._index = {m: i for i, m in enumerate(spec.members)}
         self._mine = self._index[me]
@@ -517,9 +542,17 @@ class AllReduceRound:
         parts = [p for p in self._parts if p is not None]
         a, b = self._bounds[self._mine]
         total = math.fsum(p.weight for p in parts)
+        rejected = self._check_group(parts)
+        if rejected is not None:
+            return rejected
         try:
             payload = reduce_encoded(
-                parts, self._codec, b - a, rng=self._rng(), decoded=self._decoded
+                parts,
+                self._codec,
+                b - a,
+                rng=self._rng(),
+                decoded=self._decoded,
+                rule=self.spec.aggregation,
             )
             values = self._slot_of(self._mine)
             self._codec.decode_into(payload, b - a, values)
@@ -536,6 +569,27 @@ class AllReduceRound:
                 out.append(self._send(member, red))
         out.extend(self._accept_chunk(self._mine, payload, values, total))
         return out
+
+    def _check_group(self, parts: list[Contribution]) -> list[Action] | None:
+        """The group checks of this chunk's parts (:mod:`~atoll.protocol.checks`): None when
+        every part passes, else the round fails naming the first other member that failed
+        (this member's own part failing blames nobody: it cannot strike itself)."""
+        checks = self.spec.checks
+        if checks is None and self._caps is None:
+            return None
+        if checks is None:  # caps only
+            checks = PartChecks(norm_factor=math.inf, weight_factor=math.inf)
+        decoded = [x for x in self._decoded if x is not None]
+        found = violations(
+            self.spec.members, decoded, [p.weight for p in parts], checks, self._caps
+        )
+        if not found:
+            return None
+        reason = "; ".join(f"{v.peer}: {v.reason}" for v in found)
+        others = [v.peer for v in found if v.peer != self.me]
+        culprit = others[0] if others else None
+        reason = f"parts for chunk {self._mine} rejected: {_clip(reason)}"
+        return self._fail(reason, culprit=culprit)
 
     def _accept_chunk(
         self, j: int, payload: bytes, values: F32Array, total_weight: float

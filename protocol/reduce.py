@@ -31,11 +31,13 @@ import numpy.typing as npt
 
 from atoll.protocol.codecs import Codec
 from atoll.protocol.errors import CodecError, ConfigError, RejectedContribution, RejectedInput
+from atoll.protocol.robust import RobustRule, aggregate
 
 __all__ = [
     "Contribution",
     "allreduce_bytes_per_peer",
     "chunk_bounds",
+    "decode_all",
     "rda_combine",
     "rda_mean_norm",
     "rda_split",
@@ -46,7 +48,6 @@ __all__ = [
 F32Array = npt.NDArray[np.float32]
 
 _NORM_STEP = 1 << 20  # values per slice when norms and rescaling run in float64
-_ACC_STEP = 1 << 16  # values per slice of the weighted sum (stays in the CPU cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +97,9 @@ def weighted_mean(
     codec: Codec,
     numel: int,
     decoded: Sequence[F32Array | None] | None = None,
+    rule: RobustRule | None = None,
 ) -> F32Array:
-    """Token-weighted fp32 mean of the decoded contributions.
+    """Token-weighted fp32 mean of the decoded contributions, or a robust rule's result.
 
     Every payload is decoded with ``codec`` (``numel`` values each; ``decoded[i]``, when
     given, is taken as contribution ``i``'s decoding instead: a caller that decoded the
@@ -107,6 +109,10 @@ def weighted_mean(
     arXiv 2604.21428). Every decoded contribution is held at once (the sum runs slice by
     slice over all of them).
 
+    ``rule`` (default: the plain mean above) selects a robust aggregation instead
+    (:func:`robust.aggregate`: coordinate-wise trimmed mean or centered clipping,
+    docs/ALGORITHMS.md §5.3), applied to the decoded contributions in the order given.
+
     Raises:
         ConfigError: no contributions (the caller must check its quorum first), or a
             negative ``numel``.
@@ -114,9 +120,27 @@ def weighted_mean(
             contribution's index.
         CodecError: a payload that does not decode; the message starts with
             ``"contribution <index>:"``.
+        RejectedInput: the result overflowed float32.
     """
     n = _check_size(numel, "numel")
-    w = _weights(contributions)
+    _weights(contributions)  # validates every weight, naming a bad one
+    xs = decode_all(contributions, codec, n, decoded)
+    acc = aggregate(xs, [float(c.weight) for c in contributions], rule or RobustRule())
+    # all finite <=> max and min finite (a NaN propagates into both); no bool temporary
+    if n and not (np.isfinite(np.maximum.reduce(acc)) and np.isfinite(np.minimum.reduce(acc))):
+        raise RejectedInput("the weighted mean overflowed float32")
+    return acc
+
+
+def decode_all(
+    contributions: Sequence[Contribution],
+    codec: Codec,
+    numel: int,
+    decoded: Sequence[F32Array | None] | None = None,
+) -> list[F32Array]:
+    """Every contribution decoded (``numel`` float32 values each), ``decoded[i]`` used
+    where given; errors as in :func:`weighted_mean`."""
+    n = _check_size(numel, "numel")
     xs: list[F32Array] = []
     for i, c in enumerate(contributions):
         given = decoded[i] if decoded is not None else None
@@ -129,24 +153,7 @@ def weighted_mean(
                 xs.append(codec.decode(c.payload, n))
             except CodecError as e:
                 raise CodecError(f"contribution {i}: {e}") from e
-    weights = [np.float32(wi) for wi in w]
-    acc = np.empty(n, dtype=np.float32)
-    # acc = ((0 + w_0 x_0) + w_1 x_1) + ... slice by slice: each slice of acc stays in the
-    # CPU cache while every contribution is added to it, so each x_i is read once and acc
-    # written once (the whole-array order read and wrote acc once per contribution: this is
-    # memory-bound). Same float32 operations in the same order, so the same bits.
-    tmp = np.empty(min(n, _ACC_STEP), dtype=np.float32)
-    for j in range(0, n, _ACC_STEP):
-        a = acc[j : j + _ACC_STEP]
-        t = tmp[: a.size]
-        a.fill(0.0)
-        for x, wi in zip(xs, weights, strict=True):
-            np.multiply(x[j : j + _ACC_STEP], wi, out=t)
-            np.add(a, t, out=a)
-    # all finite <=> max and min finite (a NaN propagates into both); no bool temporary
-    if n and not (np.isfinite(np.maximum.reduce(acc)) and np.isfinite(np.minimum.reduce(acc))):
-        raise RejectedInput("the weighted mean overflowed float32")
-    return acc
+    return xs
 
 
 def reduce_encoded(
@@ -155,15 +162,16 @@ def reduce_encoded(
     numel: int,
     rng: np.random.Generator | None = None,
     decoded: Sequence[F32Array | None] | None = None,
+    rule: RobustRule | None = None,
 ) -> bytes:
     """What a chunk's owner sends back: :func:`weighted_mean`, encoded once with ``codec``.
 
     The mean is quantized a single time, after the fp32 sum, never hop by hop
     (docs/ALGORITHMS.md §2.5; Streaming DiLoCo, arXiv 2501.18512). ``rng`` is passed to the
-    encoder (stochastic rounding only); ``decoded`` to :func:`weighted_mean`. Errors are
-    those of :func:`weighted_mean`.
+    encoder (stochastic rounding only); ``decoded`` and ``rule`` to :func:`weighted_mean`.
+    Errors are those of :func:`weighted_mean`.
     """
-    mean = weighted_mean(contributions, codec, numel, decoded)
+    mean = weighted_mean(contributions, codec, numel, decoded, rule)
     payload: bytes = codec.encode(mean, rng=rng)
     return payload
 
