@@ -22,6 +22,16 @@ What an operator gets (the answers to what users of other peer systems complain 
 - a clean stop: SIGINT (Ctrl+C) or SIGTERM closes every connection and listener, bounded
   (about 5 s), and the process exits with status 0.
 
+A private run's bootstrap (``--run MANIFEST --cert CERT``, the manifest's
+``[membership]`` private) serves that run's members only. It runs the run's atoll host
+(:func:`~atoll.node.net.host.open_host`) so that a peer proves its membership in the Hello
+exchange (nodes connect to their join addresses that way), and serves a DHT stream only to
+a peer whose Hello passed (:meth:`~atoll.node.net.host.AtollHost.admitted`): anyone else's
+is reset, with one WARNING line per peer. Every record it stores or serves must come from
+a member (:class:`~atoll.node.envelopes.EnvelopeVerifier` with the run's membership). It is
+itself a member: on the allowlist, or with a certificate of its own (nodes check the
+bootstrap's Hello as it checks theirs). Messages sent to it are dropped.
+
 Start-up failures (a bad multiaddr, a port in use, an unusable key file, the identity in
 use) raise :class:`~atoll.protocol.errors.ConfigError` with a one-line message.
 """
@@ -38,14 +48,16 @@ from pathlib import Path
 
 import multiaddr
 import trio
+from libp2p.abc import INetStream
 from libp2p.host.basic_host import BasicHost
 
-from atoll.dht.kad import AtollDHT
+from atoll.dht.kad import DHT_PROTOCOL, AtollDHT
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
-from atoll.node.net.host import HostConfig, expand_wildcard, open_libp2p_host
-from atoll.node.settings import BootstrapConfig
+from atoll.node.net.host import AtollHost, HostConfig, expand_wildcard, open_host, open_libp2p_host
+from atoll.node.settings import BootstrapConfig, check_own_membership, load_membership
 from atoll.protocol.errors import ConfigError, unwrap_lone
+from atoll.protocol.manifest import RunManifest
 from atoll.security.identity import Identity, IdentityLock, load_or_create
 
 __all__ = ["dialable_addrs", "run", "write_addr_file"]
@@ -79,6 +91,15 @@ def run(cfg: BootstrapConfig, *, on_ready: Callable[[Sequence[str]], None]) -> s
     path = Path(cfg.identity).expanduser()
     with IdentityLock(path):
         identity = load_or_create(path)
+        if cfg.run:  # a private run's bootstrap must be a member itself; say so now
+            manifest = RunManifest.load(Path(cfg.run).expanduser())
+            policy, certificate = load_membership(manifest, cfg.cert)
+            if policy is None or not policy.private:
+                raise ConfigError(
+                    f"--run {cfg.run}: the run is public; a public swarm's bootstrap serves "
+                    "every run, start it without --run"
+                )
+            check_own_membership(manifest, identity.peer_id, certificate)
         host_config = HostConfig(
             listen=listen, dial_timeout_s=cfg.timeout_s, hello_timeout_s=cfg.timeout_s
         )
@@ -123,6 +144,9 @@ async def _serve_dht(
     host_config: HostConfig,
     on_ready: Callable[[Sequence[str]], None],
 ) -> None:
+    if cfg.run:
+        await _serve_private(cfg, identity, host_config, on_ready)
+        return
     async with (
         open_libp2p_host(identity, host_config) as host,
         # the DHT's stream handler goes on before anyone can connect (see atoll.dht.kad)
@@ -148,6 +172,80 @@ async def _serve_dht(
                 dht.peer_id,
                 len(dht.routing_table_peers()),
             )
+
+
+async def _serve_private(
+    cfg: BootstrapConfig,
+    identity: Identity,
+    host_config: HostConfig,
+    on_ready: Callable[[Sequence[str]], None],
+) -> None:
+    """:func:`_serve_dht` for one private run: members only (module docstring)."""
+    manifest = RunManifest.load(Path(cfg.run).expanduser())
+    policy, certificate = load_membership(manifest, cfg.cert)
+    run_id = manifest.run_id()
+    async with (
+        open_host(
+            identity, run_id, host_config, membership=policy, certificate=certificate
+        ) as atoll,
+        AtollDHT.start(
+            atoll.libp2p_host,
+            run_id=run_id,
+            verifier=EnvelopeVerifier(policy),
+            signer=EnvelopeSigner(identity, certificate),
+            clock=SystemClock(),
+            timeout_s=cfg.timeout_s,
+        ) as dht,
+        trio.open_nursery() as nursery,
+    ):
+        _members_only(atoll)
+        serve_status(atoll.libp2p_host, dht.value_store)
+        nursery.start_soon(_drop_messages, atoll)
+        addrs = dialable_addrs(atoll.libp2p_host)
+        if cfg.addr_file:
+            write_addr_file(Path(cfg.addr_file).expanduser(), addrs)
+        logger.info(
+            "bootstrap peer %s serving the members of run %s at %s",
+            dht.peer_id,
+            run_id[:12],
+            ", ".join(addrs),
+        )
+        on_ready(addrs)
+        await trio.sleep_forever()
+
+
+def _members_only(atoll: AtollHost) -> None:
+    """Put a gate before the DHT's stream handler: only admitted peers are served."""
+    host = atoll.libp2p_host
+    handlers = host.get_mux().handlers
+    handler = handlers.get(DHT_PROTOCOL)
+    if handler is None:  # the DHT must have set it; never serve it ungated
+        raise RuntimeError(f"no {DHT_PROTOCOL} handler to put the membership gate before")
+    warned: set[str] = set()
+
+    async def gated(stream: INetStream) -> None:
+        peer = str(stream.muxed_conn.peer_id)
+        if atoll.admitted(peer):
+            await handler(stream)
+            return
+        if peer not in warned:
+            warned.add(peer)
+            logger.warning(
+                "refused a DHT stream from peer %s: it has not shown this private run's "
+                "membership in a Hello",
+                peer,
+            )
+        with contextlib.suppress(Exception):
+            await stream.reset()
+
+    host.set_stream_handler(DHT_PROTOCOL, gated)
+
+
+async def _drop_messages(atoll: AtollHost) -> None:
+    """Read and drop what peers send: a bootstrap takes part in no round."""
+    while True:
+        peer, msg = await atoll.receive()
+        logger.debug("dropped %s from peer %s", type(msg).__name__, peer)
 
 
 def dialable_addrs(host: BasicHost) -> list[str]:

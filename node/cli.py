@@ -8,6 +8,9 @@ Subcommands (more come with the swarm):
   (``--simulated``: the in-process comparison with data-parallel).
 - ``atoll bootstrap``: a light DHT-only peer (no torch, no GPU) for the swarm to meet at.
 - ``atoll status``: the peers, runs and versions the DHT peers at ``--join`` know of.
+- ``atoll keygen PATH``: a new Ed25519 key file (a node's identity, or an organisation's
+  key); prints its peer id and public key.
+- ``atoll org issue``: a member certificate for a peer, signed by an organisation key.
 - ``atoll version``.
 
 Errors atoll raises on purpose are printed as one line (``atoll: error: ...``), never as
@@ -34,7 +37,7 @@ from typing import Any, TextIO
 from atoll.node.config import add_arguments, build_config, field_help, load_toml
 from atoll.node.demo import DemoConfig
 from atoll.node.settings import BootstrapConfig, NodeConfig, SimConfig
-from atoll.protocol.errors import AtollError
+from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.manifest import OuterLoop
 
 __all__ = ["format_table", "main"]
@@ -181,12 +184,63 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from atoll.security.identity import load_or_create
+
+    path = Path(args.path).expanduser()
+    if path.exists() or path.is_symlink():
+        raise ConfigError(f"{path} exists; atoll keygen never replaces a key")
+    identity = load_or_create(path)
+    print(f"key file:   {path}")
+    print(f"peer id:    {identity.peer_id}")
+    print(f"public key: {identity.public_key.hex()}")
+    return 0
+
+
+def _cmd_org_issue(args: argparse.Namespace) -> int:
+    from atoll.security.identity import load_or_create
+    from atoll.security.membership import issue, read_certificate
+
+    key = Path(args.org_key).expanduser()
+    if not key.is_file():
+        raise ConfigError(f"organisation key {key} not found (make one with: atoll keygen PATH)")
+    if not args.days > 0:
+        raise ConfigError(f"--days must be > 0, not {args.days}")
+    org = load_or_create(key)
+    now = int(time.time())
+    data = issue(
+        org, args.peer, role=args.role, issued_at=now, expires_at=now + int(args.days * 86400)
+    )
+    out = Path(args.out).expanduser()
+    try:
+        out.write_bytes(data)
+    except OSError as e:
+        raise ConfigError(f"cannot write the certificate {out}: {e.strerror or e}") from None
+    cert = read_certificate(data)
+    expires = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(cert.expires_at))
+    print(f"certificate: {out} ({len(data)} bytes)")
+    print(f"peer id:     {cert.peer_id} (role {cert.role})")
+    print(f"expires:     {expires}")
+    print(f"cert id:     {cert.cert_id}  (to revoke it: [membership] revoked)")
+    print(f"org key:     {org.public_key.hex()}  ([membership] org_key)")
+    return 0
+
+
 def _cmd_node(args: argparse.Namespace) -> int:
     from atoll.node.daemon import ProgressPrinter, run_node
+    from atoll.node.settings import check_own_membership, read_certificate_file
+    from atoll.protocol.manifest import RunManifest
+    from atoll.security.identity import load_or_create
 
     toml = load_toml(args.config, "node") if args.config else None
     _join_address_lists(args, toml, ("join", "listen"))
     cfg = build_config(NodeConfig, args, toml)
+    # a node its run's membership refuses is stopped here, with the reason, rather than
+    # refused by every peer it dials
+    manifest = RunManifest.load(Path(cfg.run).expanduser())
+    identity = load_or_create(Path(cfg.identity).expanduser())
+    certificate = read_certificate_file(cfg.cert) if cfg.cert else None
+    check_own_membership(manifest, identity.peer_id, certificate)
     printer = ProgressPrinter(cfg.progress)
 
     def started(info: dict[str, Any]) -> None:
@@ -350,6 +404,38 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout-s", type=float, default=10.0, help="per peer (default 10)")
     status.add_argument("--json", help="also write the records to this file")
     status.set_defaults(func=_cmd_status)
+
+    keygen = sub.add_parser(
+        "keygen",
+        help="write a new Ed25519 key file; print its peer id and public key",
+        description=(
+            "Write a new Ed25519 key file (mode 0600), the format of a node's --identity; "
+            "use it as a node identity or as an organisation key. Prints the peer id and "
+            "the public key (hex, for a manifest's [membership] org_key). Never replaces "
+            "an existing file."
+        ),
+    )
+    keygen.add_argument("path", metavar="PATH", help="the key file to create")
+    keygen.set_defaults(func=_cmd_keygen)
+
+    org = sub.add_parser("org", help="an organisation's private swarm: member certificates")
+    org_sub = org.add_subparsers(dest="org_command", required=True)
+    org_issue = org_sub.add_parser(
+        "issue",
+        help="sign a member certificate for a peer",
+        description=(
+            "Sign a member certificate for --peer with the organisation key; a node shows "
+            "it with 'atoll node --cert CERT' in a run whose manifest names the key."
+        ),
+    )
+    org_issue.add_argument("--org-key", required=True, metavar="PATH", help="organisation key file")
+    org_issue.add_argument("--peer", required=True, metavar="PEER_ID", help="the member's peer id")
+    org_issue.add_argument("--role", default="member", help="the member's role (default: member)")
+    org_issue.add_argument(
+        "--days", type=float, default=365.0, help="days the certificate counts (default: 365)"
+    )
+    org_issue.add_argument("--out", required=True, metavar="CERT", help="file to write")
+    org_issue.set_defaults(func=_cmd_org_issue)
 
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda _a: print(version("atoll")) or 0)

@@ -12,11 +12,20 @@ re-export the first two; import them from either place.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
-from atoll.protocol.errors import ConfigError
-from atoll.protocol.manifest import OuterLoop
+from atoll.protocol.errors import CodecError, ConfigError
+from atoll.protocol.manifest import MembershipSettings, OuterLoop, RunManifest, short_id
+from atoll.security.membership import (
+    MAX_CERTIFICATE_BYTES,
+    Membership,
+    NotAMember,
+    read_certificate,
+)
+from atoll.security.signing import BadSignature
 
 __all__ = [
     "ALGOS",
@@ -26,6 +35,9 @@ __all__ = [
     "InnerConfig",
     "NodeConfig",
     "SimConfig",
+    "check_own_membership",
+    "load_membership",
+    "read_certificate_file",
 ]
 
 ALGOS = ("ddp", "diloco", "streaming")
@@ -169,6 +181,10 @@ class BootstrapConfig:
     """also write the full multiaddr(s) to this file, one per line (replaced atomically)"""
     timeout_s: float = 10.0
     """bound on each dial and DHT request, in seconds"""
+    run: str = ""
+    """a private run's manifest: serve that run's members only (default: every run, anyone)"""
+    cert: str = ""
+    """the bootstrap's own member certificate, for --run of a run with an organisation key"""
 
     def __post_init__(self) -> None:
         if not self.identity.strip():
@@ -217,6 +233,9 @@ class NodeConfig:
     """validation batches evaluated at the end (0: none)"""
     progress: str = "text"
     """text (a status line on stderr), jsonl (JSON lines on stdout) or none"""
+    cert: str = ""
+    """this node's member certificate (atoll org issue), for a run whose manifest names an
+    organisation key"""
     fault: str = ""
     """fault injection for tests (kill:POINT:FRAGMENT:SLOT, usually from ATOLL_FAULT):
     the network process kills itself at that point of that round; no command-line flag"""
@@ -240,3 +259,49 @@ class NodeConfig:
     def listen_addrs(self) -> tuple[str, ...]:
         """``listen`` split at commas, blanks dropped."""
         return tuple(a.strip() for a in self.listen.split(",") if a.strip())
+
+
+# -- membership -------------------------------------------------------------------------------
+def read_certificate_file(path: str) -> bytes:
+    """The member certificate in the file at ``path`` (as ``atoll org issue`` writes it),
+    decoded and its signature checked; ConfigError naming the file otherwise."""
+    file = Path(path).expanduser()
+    try:
+        with file.open("rb") as f:
+            data = f.read(MAX_CERTIFICATE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read the certificate {file}: {e.strerror or e}") from None
+    try:
+        read_certificate(data)
+    except (CodecError, BadSignature) as e:
+        raise ConfigError(f"{file} is not a member certificate: {e}") from None
+    return data
+
+
+def load_membership(
+    manifest: RunManifest, cert_file: str = ""
+) -> tuple[Membership | None, bytes | None]:
+    """The run's membership policy (None for a public run that revokes nobody) and this
+    node's certificate read from ``cert_file`` (None when not given)."""
+    policy = None
+    if manifest.membership != MembershipSettings():
+        policy = Membership.from_settings(manifest.membership)
+    certificate = read_certificate_file(cert_file) if cert_file else None
+    return policy, certificate
+
+
+def check_own_membership(
+    manifest: RunManifest, peer_id: str, certificate: bytes | None, now: float | None = None
+) -> None:
+    """Raise ConfigError (one line) when the run's membership would refuse this node: its
+    peers would refuse every connection, so it is better not to start."""
+    policy = load_membership(manifest)[0]
+    if policy is None:
+        return
+    try:
+        policy.check(peer_id, certificate, time.time() if now is None else now)
+    except NotAMember as e:
+        raise ConfigError(
+            f"this node (peer {peer_id}) is not a member of run {manifest.name!r} "
+            f"({short_id(manifest.run_id())}): {e.reason}"
+        ) from None

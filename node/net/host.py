@@ -24,6 +24,14 @@ direction between two peers has its own stream, opened lazily and then reused (a
      answering and logs why; the sender sees the stream end before any answer on a live
      connection and raises :class:`WrongRun` (a peer learns nothing about a run it is not
      in, not even its id);
+   - a valid Hello of this run from a peer that the run's membership does not admit (a
+     private run: not on the allowlist, no valid member certificate in the Hello, or
+     revoked; :class:`~atoll.security.membership.Membership`): refused the same way,
+     before any atoll message is read, with one WARNING line naming the peer and the
+     reason. A sender in a private run that sees this refusal raises
+     :class:`~atoll.security.membership.NotAMember` (it cannot tell it from a peer of
+     another run: both close without a word, by design). The sender checks the answering
+     Hello the same way: a non-member's answer is refused too;
    - anything else (bytes that do not decode, a first frame over the limit, another
      message, another version, a ``peer_id`` that is not the connection's): hostile or
      broken input, so the receiver resets the stream without answering and logs why;
@@ -61,6 +69,9 @@ Errors (added to the tree of :mod:`atoll.protocol.errors`)::
     └── VersionMismatch   the peer speaks another atoll protocol version, or none
     RetryableError
     └── PeerUnavailable   dial, negotiation, Hello or write failed or timed out
+    RejectedInput
+    └── NotAMember        (atoll.security.membership) the peer, or this node, is not a
+                          member of the private run
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ import os
 import re
 import socket
 import struct
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -118,6 +130,7 @@ from atoll.protocol.messages import (
     frame_header,
 )
 from atoll.security.identity import Identity
+from atoll.security.membership import Membership, NotAMember
 
 __all__ = [
     "AGENT",
@@ -139,7 +152,8 @@ ATOLL_PROTOCOL: TProtocol = TProtocol(f"/atoll/{PROTOCOL_VERSION}/msg")
 """The libp2p protocol id of atoll's message streams; it carries the wire version."""
 
 HELLO_MAX_BYTES: int = 1024
-"""Largest first frame accepted on a stream (a Hello encodes to ~200 bytes)."""
+"""Largest first frame accepted on a stream (a Hello encodes to ~200 bytes, ~430 with a
+member certificate)."""
 
 try:
     AGENT: str = f"atoll/{importlib.metadata.version('atoll')}"
@@ -260,6 +274,8 @@ class AtollHost:
         nursery: trio.Nursery,
         inbox: trio.MemorySendChannel[tuple[str, object]],
         outbox: trio.MemoryReceiveChannel[tuple[str, object]],
+        membership: Membership | None = None,
+        certificate: bytes | None = None,
     ) -> None:
         self._host = host
         self._peer_id = identity.peer_id
@@ -268,8 +284,11 @@ class AtollHost:
         self._nursery = nursery
         self._inbox = inbox
         self._messages = outbox
+        self._membership = membership
+        self._members: set[str] = set()  # peers whose Hello passed the membership check
+        self._member_certs: dict[str, bytes | None] = {}
         self._hello_frame = frame(
-            encode_message(Hello(PROTOCOL_VERSION, run_id, identity.peer_id, AGENT))
+            encode_message(Hello(PROTOCOL_VERSION, run_id, identity.peer_id, AGENT, certificate))
         )
         self._outgoing: dict[str, _Outgoing] = {}
         self._incoming: dict[str, INetStream] = {}
@@ -287,6 +306,23 @@ class AtollHost:
     def run_id(self) -> str:
         """The run this host serves."""
         return self._run_id
+
+    @property
+    def membership(self) -> Membership | None:
+        """The run's membership policy checked on every Hello (None: anyone)."""
+        return self._membership
+
+    def admitted(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` passed a Hello exchange with this host, membership and all,
+        and stays a member by the policy now (its certificate may have expired since)."""
+        if peer_id not in self._members:
+            return False
+        try:
+            self._check_member(peer_id, self._member_certs.get(peer_id))
+        except NotAMember:
+            self._members.discard(peer_id)
+            return False
+        return True
 
     @property
     def libp2p_host(self) -> BasicHost:
@@ -502,6 +538,15 @@ class AtollHost:
                     self._sent[peer] += len(self._hello_frame)
                     hello = await self._read_hello(stream, peer)
                 except StreamEOF:
+                    if _connection_alive(stream) and self._private:
+                        raise NotAMember(
+                            self._peer_id,
+                            f"peer {peer}{where} closed the stream after this node's Hello "
+                            "without answering: it does not count this node as a member of "
+                            f"run {self._run_id[:12]} (check --cert, the certificate's "
+                            "expiry and the manifest's [membership] table), or it serves "
+                            "another run",
+                        ) from None
                     if _connection_alive(stream):
                         raise WrongRun(
                             peer,
@@ -570,7 +615,21 @@ class AtollHost:
                 self._run_id,
                 f"peer {peer} serves run {msg.run_id}, this node serves run {self._run_id}",
             )
+        try:
+            self._check_member(peer, msg.certificate)
+        except NotAMember as e:
+            return e
+        self._members.add(peer)
+        self._member_certs[peer] = msg.certificate
         return None
+
+    @property
+    def _private(self) -> bool:
+        return self._membership is not None and self._membership.private
+
+    def _check_member(self, peer: str, certificate: bytes | None) -> None:
+        if self._membership is not None:
+            self._membership.check(peer, certificate, time.time())
 
     async def _read_hello(self, stream: INetStream, peer: str) -> Hello:
         """The stream's first message, which must be a Hello (else ``CodecError``).
@@ -678,6 +737,10 @@ class AtollHost:
             logger.info("refusing a stream from peer %s: %s", peer, problem)
             await self._refuse(stream)
             return False
+        if isinstance(problem, NotAMember):
+            logger.warning("refused peer %s of run %s: %s", peer, self._run_id[:12], problem)
+            await self._refuse(stream)
+            return False
         if problem is not None:
             logger.warning("refusing a stream from peer %s: %s; stream reset", peer, problem)
             return False
@@ -730,9 +793,17 @@ class AtollHost:
 
 @asynccontextmanager
 async def open_host(
-    identity: Identity, run_id: str, config: HostConfig
+    identity: Identity,
+    run_id: str,
+    config: HostConfig,
+    *,
+    membership: Membership | None = None,
+    certificate: bytes | None = None,
 ) -> AsyncIterator[AtollHost]:
     """Run a libp2p host for ``identity`` serving run ``run_id``; yield its :class:`AtollHost`.
+
+    ``membership`` is the run's policy, checked on every Hello in both directions (None:
+    anyone); ``certificate`` is this node's member certificate, shown in its Hello.
 
     The host listens on ``config.listen`` (Noise only, yamux only) until the block exits;
     then every stream task is cancelled and every connection closed (bounded, 5 s). Must
@@ -750,7 +821,9 @@ async def open_host(
         async with inbox, messages, host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             await libp2p_internals.stop_auto_connector(host)
             nursery.start_soon(_sweep_closed_connections, host)
-            atoll = AtollHost(host, identity, run_id, config, nursery, inbox, messages)
+            atoll = AtollHost(
+                host, identity, run_id, config, nursery, inbox, messages, membership, certificate
+            )
             host.set_stream_handler(ATOLL_PROTOCOL, atoll._on_stream)
             logger.info(
                 "host %s up for run %s on %s",

@@ -49,12 +49,13 @@ async def join_swarm(
         joined = 0
         fatal = 0
         for addr in addrs:
-            ok = await dht.bootstrap([addr]) > 0
+            # the Hello first: a private run's bootstrap serves the DHT to members only
             reason = await probe(host, addr, dial_s)
             if reason is not None and reason.startswith("fatal:"):
                 fatal += 1
                 reasons[addr] = reason.removeprefix("fatal:")
                 continue
+            ok = await dht.bootstrap([addr]) > 0
             if ok:
                 joined += 1
                 reasons.pop(addr, None)
