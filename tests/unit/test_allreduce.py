@@ -33,9 +33,11 @@ from atoll.protocol.allreduce import (
     Send,
     Validator,
 )
+from atoll.protocol.checks import PartChecks
 from atoll.protocol.codecs import make_codec
 from atoll.protocol.engine import SyncRequest, average_requests
 from atoll.protocol.errors import CodecError, ConfigError, RejectedContribution, RejectedInput
+from atoll.protocol.robust import RobustRule, aggregate
 
 PHASE = 1.0
 ROUND = 2.0
@@ -83,6 +85,7 @@ class Net:
     weights: list[float]
     jitter_seed: int | None = None
     validators: dict[str, Validator] = field(default_factory=dict)
+    caps: dict[str, dict[str, float]] = field(default_factory=dict)
     mutate: dict[str, Mutator] = field(default_factory=dict)
     now: float = 0.0
     machines: dict[str, AllReduceRound] = field(init=False)
@@ -109,6 +112,7 @@ class Net:
                 phase_timeout=PHASE,
                 round_timeout=ROUND,
                 validator=self.validators.get(m),
+                weight_caps=self.caps.get(m),
             )
             for i, m in enumerate(self.spec.members)
         }
@@ -507,6 +511,146 @@ def test_validator_rejection_names_the_sender() -> None:
     a, b = spec.bounds()[0]
     assert ("peer1", b - a) in seen or ("peer2", b - a) in seen
     assert all(f.culprit in (None, "peer2") for f in net.failed().values())
+
+
+# --------------------------------------------------------------------------------------
+# robust aggregation and group checks at the owners
+# --------------------------------------------------------------------------------------
+def honest_inputs(
+    n: int, numel: int, codec: str, seed: int = 0, **spec_kwargs: object
+) -> tuple[RoundSpec, list[bytes], list[float], np.ndarray]:
+    """Honest peers of similar scale and weight (the group checks' defaults pass them);
+    also returns their fp32 deltas."""
+    members = tuple(f"peer{i}" for i in range(n))
+    spec = RoundSpec(KEY, members, numel, codec, **spec_kwargs)  # type: ignore[arg-type]
+    c = spec.make_codec()
+    rng = np.random.default_rng(seed)
+    mu = rng.standard_normal(numel)
+    xs = (mu + 0.5 * rng.standard_normal((n, numel))).astype(np.float32)
+    payloads = [c.encode(x) for x in xs]
+    weights = [float(rng.integers(1000, 2000)) for _ in members]
+    return spec, payloads, weights, xs
+
+
+def chunkwise_reference(spec: RoundSpec, payloads: list[bytes], weights: list[float]) -> np.ndarray:
+    """Each owner's rule on its chunk of the decoded parts, encoded once, decoded."""
+    c = spec.make_codec()
+    out = []
+    for a, b in spec.bounds():
+        parts = [c.decode(c.slice_payload(p, spec.numel, a, b), b - a) for p in payloads]
+        mean = aggregate(parts, weights, spec.aggregation)
+        out.append(c.decode(c.encode(mean), b - a))
+    return np.concatenate(out)
+
+
+def _scaled_parts(spec: RoundSpec, factor: float) -> Mutator:
+    c = spec.make_codec()
+
+    def change(p: Part) -> Part:
+        a, b = spec.bounds()[p.chunk]
+        return replace(p, payload=c.encode(c.decode(p.payload, b - a) * np.float32(factor)))
+
+    return _parts_only(change)
+
+
+RULES = [RobustRule("trimmed_mean"), RobustRule("centered_clip")]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "e3m0", "int8"])
+@pytest.mark.parametrize("n", [3, 5, 8])
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.kind)
+def test_robust_rule_members_agree_on_the_owners_bytes(
+    codec: str, n: int, rule: RobustRule
+) -> None:
+    spec, payloads, weights, _ = honest_inputs(n, 2500, codec, seed=n, aggregation=rule)
+    expected = chunkwise_reference(spec, payloads, weights)
+    for jitter in (None, 1, 2):
+        net = run_net(Net(spec, payloads, weights, jitter_seed=jitter))
+        done = net.done()
+        assert set(done) == set(spec.members)
+        for value in done.values():
+            assert value.tobytes() == expected.tobytes()
+
+
+def test_default_spec_is_the_plain_mean_without_checks() -> None:
+    spec, payloads, weights = make_inputs(4, 1000, "e3m0")
+    assert spec.aggregation == RobustRule() and spec.checks is None
+    assert chunkwise_reference(spec, payloads, weights).tobytes() == (
+        reference(spec, payloads, weights).tobytes()
+    )
+
+
+@pytest.mark.parametrize("n", [3, 5, 8])
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.kind)
+def test_robust_rule_resists_scaled_parts(n: int, rule: RobustRule) -> None:
+    spec, payloads, weights, xs = honest_inputs(n, 3000, "fp32", seed=n, aggregation=rule)
+    bad = spec.members[1:][: rule.tolerates(n)]
+    honest = [i for i, m in enumerate(spec.members) if m not in bad]
+    hmean = np.average(xs[honest].astype(np.float64), axis=0, weights=np.take(weights, honest))
+    spread = float(np.sqrt(np.mean([np.sum((xs[i] - hmean) ** 2) for i in honest])))
+    mutate = {m: _scaled_parts(spec, 1e4) for m in bad}
+    robust = run_net(Net(spec, payloads, weights, mutate=mutate)).done()
+    plain_spec = replace(spec, aggregation=RobustRule())
+    plain = run_net(Net(plain_spec, payloads, weights, mutate=mutate)).done()
+    assert set(robust) == set(plain) == set(spec.members)
+    assert np.linalg.norm(robust["peer0"] - hmean) < 3 * spread
+    assert np.linalg.norm(plain["peer0"] - hmean) > 100 * spread
+
+
+@pytest.mark.parametrize("codec", ["fp32", "e3m0"])
+def test_group_checks_reject_a_huge_part(codec: str) -> None:
+    spec, payloads, weights, _ = honest_inputs(5, 3000, codec, checks=PartChecks())
+    assert set(run_net(Net(spec, payloads, weights)).done()) == set(spec.members)
+    bad = "peer3"
+    net = run_net(Net(spec, payloads, weights, mutate={bad: _scaled_parts(spec, 1e3)}))
+    assert net.done() == {}
+    culprits = {m: f.culprit for m, f in net.failed().items() if m != bad}
+    assert set(culprits.values()) <= {bad, None}
+    assert bad in culprits.values()
+    for m, culprit in culprits.items():
+        if culprit == bad:
+            assert "norm" in net.failed()[m].reason and bad in net.failed()[m].reason
+
+
+def test_group_checks_reject_an_inflated_weight_at_every_owner() -> None:
+    spec, payloads, weights, _ = honest_inputs(4, 2000, "e3m0", checks=PartChecks())
+    bad = "peer1"
+    inflate = _parts_only(lambda p: replace(p, weight=p.weight * 1000))
+    net = run_net(Net(spec, payloads, weights, mutate={bad: inflate}))
+    assert net.done() == {}
+    for m in ("peer0", "peer2", "peer3"):
+        # the weight is the same at every owner, so every owner that reduces names it
+        assert net.failed()[m].culprit in (bad, None)
+    assert sum(net.failed()[m].culprit == bad for m in ("peer0", "peer2", "peer3")) >= 1
+
+
+def test_weight_caps_reject_the_peer_above_its_cap() -> None:
+    spec, payloads, weights, _ = honest_inputs(3, 1000, "fp32")
+    caps = {"peer0": {"peer2": weights[2] / 2}}
+    net = run_net(Net(spec, payloads, weights, caps=caps))
+    assert net.done() == {}
+    assert net.failed()["peer0"].culprit == "peer2"
+    assert "cap" in net.failed()["peer0"].reason
+    ok = run_net(Net(spec, payloads, weights, caps={"peer0": {"peer2": weights[2]}}))
+    assert set(ok.done()) == set(spec.members)
+
+
+def test_an_owner_whose_own_part_fails_the_checks_blames_nobody() -> None:
+    spec, payloads, weights, xs = honest_inputs(4, 2000, "fp32", checks=PartChecks())
+    payloads[0] = spec.make_codec().encode(xs[0] * np.float32(1e3))
+    net = run_net(Net(spec, payloads, weights))
+    assert net.done() == {}
+    assert net.failed()["peer0"].culprit is None
+    assert all(f.culprit in (None, "peer0") for f in net.failed().values())
+    assert any(f.culprit == "peer0" for f in net.failed().values())
+
+
+def test_spec_rejects_a_bad_rule_or_checks() -> None:
+    members = ("a", "b")
+    with pytest.raises(ConfigError):
+        RoundSpec(KEY, members, 10, "fp32", aggregation="trimmed_mean")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        RoundSpec(KEY, members, 10, "fp32", checks=3)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------
