@@ -30,20 +30,40 @@ rust-libp2p see the same Noise XX session and yamux frames:
 Only sessions that the lean path can carry are switched over (ChaCha20-Poly1305 cipher
 states from a finished handshake, over py-libp2p's own transport reader/writer); anything
 else keeps py-libp2p's session unchanged.
+
+Unfinished frames, bounded across peers
+---------------------------------------
+A peer may announce a frame of up to ``max_frame_bytes`` (64 MiB) and send all of it but
+the last byte; identities cost nothing, so per-peer limits alone let a few dozen fresh
+identities make a node hold gigabytes. :func:`read_frames` cuts a stream into frames
+against one :class:`FrameBudget` shared by every stream of the process (default
+:data:`DEFAULT_FRAME_BUDGET_BYTES`): before a read's bytes are buffered they are charged
+to the stream, and when the charge does not fit, the streams holding the most (more than
+the one charging) are reset to make room, largest first; when the charging stream holds
+the most itself, it is the one reset (:class:`FrameBudgetExceeded`). Either way a warning
+names the peer, what it held and the budget. A peer that sends its frames promptly holds
+little for little time and is not touched while others hold more. A frame once begun must
+also keep coming: it has :data:`FRAME_START_S` plus one second per
+:data:`MIN_FRAME_RATE` bytes received of it, so a peer trickling a byte a second is cut
+off (:class:`~atoll.protocol.errors.ExchangeTimeout`) instead of holding its partial frame
+forever. Time the reader spends handing frames on (a full inbox) does not count.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import struct
-from typing import cast
+from collections.abc import Awaitable, Callable
+from typing import Protocol, cast
 
 import trio
 from cryptography.exceptions import InvalidTag
 from libp2p.abc import IRawConnection, ISecureConn
 from libp2p.io.abc import ReadWriteCloser
 from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError
+from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.security.noise.io import MAX_NOISE_MESSAGE_LEN, NoiseTransportReadWriter
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -53,6 +73,9 @@ from noise.backends.default.ciphers import ChaCha20Cipher
 from noise.constants import MAX_NONCE
 from noise.exceptions import NoiseInvalidMessage
 from noise.state import CipherState
+
+from atoll.protocol.errors import CodecError, ConfigError, ExchangeTimeout
+from atoll.protocol.messages import MAX_FRAME_BYTES, FrameDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -349,3 +372,222 @@ def tune_frames() -> None:
     """Let yamux frames carry :data:`FRAME_PAYLOAD` bytes (the module constant is read at
     each write, so this takes effect for the process)."""
     _yamux.MAX_MESSAGE_SIZE = FRAME_PAYLOAD + _yamux.HEADER_SIZE
+
+
+# -- unfinished frames, bounded across peers ---------------------------------------------------
+DEFAULT_FRAME_BUDGET_BYTES: int = 256 << 20
+"""Bytes of unfinished frames all peers together may make the process hold (256 MiB)."""
+FRAME_START_S: float = 30.0
+"""Seconds a frame, once begun, may take beyond one second per :data:`MIN_FRAME_RATE`
+bytes of it received."""
+MIN_FRAME_RATE: int = 64 << 10
+"""Bytes per second below which a frame in progress runs out of time (64 KiB/s; a 64 MiB
+frame then has 30 s plus 1,024 s)."""
+_FRAME_READ = 64 << 20  # most bytes one read asks of the stream (see host._READ_CHUNK)
+
+
+class FrameBudgetExceeded(CodecError):
+    """A stream's unfinished frames did not fit in the process's :class:`FrameBudget`:
+    the stream is to be reset. ``peer`` is the peer that sent them."""
+
+    def __init__(self, peer: str, message: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class FrameStream(Protocol):
+    """What :func:`read_frames` reads: a libp2p stream, or a fake in tests. ``read``
+    returns up to ``n`` bytes, ``b""`` (or raises ``StreamEOF``) at the end."""
+
+    async def read(self, n: int | None = None) -> bytes: ...
+
+
+class _Holder:
+    """One stream's share of a :class:`FrameBudget`."""
+
+    __slots__ = ("evicted", "held", "on_evict", "peer")
+
+    def __init__(self, peer: str, on_evict: Callable[[], None]) -> None:
+        self.peer = peer
+        self.on_evict = on_evict
+        self.held = 0
+        self.evicted: str | None = None
+
+
+class FrameBudget:
+    """Bytes of unfinished frames the whole process holds, over every peer's stream.
+
+    One per process (or per host), shared by every :func:`read_frames`. Sans-IO and not
+    thread-safe: all its streams run in one trio loop. See the module docstring for the
+    rule it applies when full.
+    """
+
+    def __init__(self, limit_bytes: int = DEFAULT_FRAME_BUDGET_BYTES) -> None:
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 1:
+            raise ConfigError(f"a frame budget is an int of bytes >= 1, not {limit_bytes!r}")
+        self._limit = limit_bytes
+        self._used = 0
+        self._holders: set[_Holder] = set()
+        self.evictions = 0
+        """Streams reset so far to keep within the budget (as the largest holder)."""
+
+    @property
+    def limit(self) -> int:
+        """Most bytes of unfinished frames held at once."""
+        return self._limit
+
+    @property
+    def used(self) -> int:
+        """Bytes of unfinished frames held now."""
+        return self._used
+
+    def join(self, peer: str, on_evict: Callable[[], None]) -> _Holder:
+        """A share for a new stream from ``peer``; ``on_evict`` ends that stream's reader
+        (at once, without waiting) when another stream needs its room."""
+        holder = _Holder(peer, on_evict)
+        self._holders.add(holder)
+        return holder
+
+    def leave(self, holder: _Holder) -> None:
+        """Give back everything ``holder`` held; it holds nothing from now on."""
+        if holder in self._holders:
+            self._holders.discard(holder)
+            self._used -= holder.held
+        holder.held = 0
+
+    def charge(self, holder: _Holder, nbytes: int) -> None:
+        """Let ``holder`` hold ``nbytes`` (its new total, not an increment).
+
+        When that does not fit, the holders holding more than ``nbytes`` are evicted,
+        largest first, until it does; when it still does not (``holder`` holds the
+        most), :class:`FrameBudgetExceeded` is raised and ``holder`` keeps what it had.
+        """
+        if holder.evicted is not None:
+            raise FrameBudgetExceeded(holder.peer, holder.evicted)
+        if holder not in self._holders:
+            raise FrameBudgetExceeded(holder.peer, f"peer {holder.peer}: stream left the budget")
+        over = self._used - holder.held + nbytes - self._limit
+        if over > 0:
+            larger = sorted(
+                (h for h in self._holders if h is not holder and h.held > nbytes),
+                key=lambda h: h.held,
+                reverse=True,
+            )
+            for victim in larger:
+                if over <= 0:
+                    break
+                over -= victim.held
+                self._evict(victim, holder.peer, nbytes)
+        if over > 0:
+            self.evictions += 1
+            message = (
+                f"peer {holder.peer} would hold {nbytes} bytes of unfinished frames, the "
+                f"most of any peer, while all peers' unfinished frames fill the budget of "
+                f"{self._limit} bytes ({self._used} used); its stream is reset"
+            )
+            logger.warning("%s", message)
+            raise FrameBudgetExceeded(holder.peer, message)
+        self._used += nbytes - holder.held
+        holder.held = nbytes
+
+    def _evict(self, victim: _Holder, for_peer: str, nbytes: int) -> None:
+        self.evictions += 1
+        victim.evicted = (
+            f"peer {victim.peer} held {victim.held} bytes of unfinished frames, more than "
+            f"any other, when peer {for_peer} needed {nbytes} and the budget of "
+            f"{self._limit} bytes was full; its stream is reset"
+        )
+        logger.warning("%s", victim.evicted)
+        self.leave(victim)
+        victim.on_evict()
+
+
+async def read_frames(
+    stream: FrameStream,
+    *,
+    peer: str,
+    budget: FrameBudget,
+    on_frame: Callable[[bytes], Awaitable[None]],
+    max_bytes: int = MAX_FRAME_BYTES,
+    on_bytes: Callable[[int], None] | None = None,
+    frame_start_s: float = FRAME_START_S,
+    min_frame_rate: int = MIN_FRAME_RATE,
+    read_bytes: int = _FRAME_READ,
+) -> None:
+    """Read ``stream`` (from ``peer``) to its end, handing each whole frame's body to
+    ``on_frame`` in order; unfinished frames are charged to ``budget``.
+
+    ``on_bytes`` hears of every read's size. Returns when the stream ends (a frame left
+    unfinished is dropped and logged). Raises :class:`FrameBudgetExceeded` when the
+    stream's unfinished frames do not fit in the budget or another stream needed their
+    room, ``CodecError`` when a frame header is over ``max_bytes``, and
+    :class:`~atoll.protocol.errors.ExchangeTimeout` when a frame begun is not finished
+    within ``frame_start_s`` plus one second per ``min_frame_rate`` bytes of it
+    received. Whatever it raised or however it ended, it holds nothing of the budget
+    afterwards; the caller resets the stream on an error. No wait bounds a stream idle
+    between frames: that is normal between rounds.
+    """
+    if not (math.isfinite(frame_start_s) and frame_start_s > 0):
+        raise ConfigError(f"frame_start_s must be > 0, not {frame_start_s!r}")
+    if (
+        isinstance(min_frame_rate, bool)
+        or not isinstance(min_frame_rate, int)
+        or min_frame_rate < 1
+    ):
+        raise ConfigError(f"min_frame_rate must be an int >= 1, not {min_frame_rate!r}")
+    decoder = FrameDecoder(max_bytes)
+    with trio.CancelScope() as evicted:
+        holder = budget.join(peer, evicted.cancel)
+        try:
+            began = 0.0  # when the unfinished frame began, moved on by time spent handing over
+            got = 0  # bytes of it received so far
+            while True:
+                if decoder.buffered:
+                    deadline = began + frame_start_s + got / min_frame_rate
+                    with trio.move_on_at(deadline) as late:
+                        data = await _read_some(stream, read_bytes)
+                    if late.cancelled_caught:
+                        raise ExchangeTimeout(
+                            f"peer {peer} sent {got} bytes of a frame in "
+                            f"{trio.current_time() - began:.1f} s, slower than "
+                            f"{min_frame_rate} bytes/s after {frame_start_s} s; stream reset"
+                        )
+                else:
+                    data = await _read_some(stream, read_bytes)
+                if not data:
+                    if decoder.buffered:
+                        logger.info(
+                            "peer %s closed its stream inside a frame (%d bytes dropped)",
+                            peer,
+                            decoder.buffered,
+                        )
+                    return
+                if on_bytes is not None:
+                    on_bytes(len(data))
+                # charged before it is buffered: a frame's bytes never sit uncounted
+                budget.charge(holder, decoder.buffered + len(data))
+                was_buffered = decoder.buffered
+                bodies = decoder.feed(data)
+                left = decoder.buffered
+                budget.charge(holder, left)
+                if not left:
+                    got = 0
+                elif bodies or not was_buffered:  # a new frame began in this read
+                    began, got = trio.current_time(), left
+                else:
+                    got += len(data)
+                start = trio.current_time()
+                for body in bodies:
+                    await on_frame(body)
+                began += trio.current_time() - start
+        finally:
+            budget.leave(holder)
+    if evicted.cancelled_caught:
+        raise FrameBudgetExceeded(peer, holder.evicted or f"peer {peer}: stream evicted")
+
+
+async def _read_some(stream: FrameStream, n: int) -> bytes:
+    try:
+        return await stream.read(n)
+    except StreamEOF:
+        return b""
