@@ -15,7 +15,7 @@ encoding in each phase) and token-weighted:
    (round key, sender, chunk index, weight, decoding, the injected :data:`Validator`), then,
    once all are in, checks them against each other (:attr:`RoundSpec.checks`: norms and
    weights within a bound of the group's, per-peer weight caps), combines them in member
-   order with :func:`reduce.weighted_mean` by :attr:`RoundSpec.aggregation` (the
+   order with :func:`reduce.weighted_mean` by :attr:`RoundSpec.robust` (the
    token-weighted fp32 mean by default, or a robust rule of :mod:`~atoll.protocol.robust`),
    encodes the result once and sends a :class:`Reduced` to every other member.
 3. As a member it collects the :class:`Reduced` chunk from each chunk's owner; once every
@@ -111,7 +111,7 @@ class RoundKey:
 
 @dataclass(frozen=True, slots=True)
 class RoundSpec:
-    """What the group agreed on before the round: members, size, codec and aggregation.
+    """What the group agreed on before the round: members, size, codec and robust rule.
 
     ``members`` are peer ids in the agreed order: chunk ``j`` of the vector belongs to
     ``members[j]``, and contributions are summed in this order (so every owner computes
@@ -119,7 +119,7 @@ class RoundSpec:
     chunks are :func:`reduce.chunk_bounds` at the codec's alignment (Streaming DiLoCo,
     arXiv 2501.18512: reduce-scatter of a quantized vector without re-quantization).
 
-    ``aggregation`` is how each owner combines its chunk's parts (default: the
+    ``robust`` is how each owner combines its chunk's parts (default: the
     token-weighted mean; :class:`robust.RobustRule`). ``checks``, when set, are the bounds
     every part must meet relative to the group's before its chunk is reduced
     (:class:`checks.PartChecks`); None checks nothing beyond decoding, size, finiteness and
@@ -131,7 +131,7 @@ class RoundSpec:
     numel: int
     codec: str
     codec_block: int = 128
-    aggregation: RobustRule = field(default_factory=RobustRule)
+    robust: RobustRule = field(default_factory=RobustRule)
     checks: PartChecks | None = None
 
     def __post_init__(self) -> None:
@@ -144,8 +144,8 @@ class RoundSpec:
         if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 0:
             raise ConfigError(f"numel must be an integer >= 0, not {self.numel!r}")
         self.make_codec()  # validates name and block
-        if not isinstance(self.aggregation, RobustRule):
-            raise ConfigError(f"aggregation must be a RobustRule, not {self.aggregation!r}")
+        if not isinstance(self.robust, RobustRule):
+            raise ConfigError(f"robust must be a RobustRule, not {self.robust!r}")
         if self.checks is not None and not isinstance(self.checks, PartChecks):
             raise ConfigError(f"checks must be PartChecks or None, not {self.checks!r}")
 
@@ -552,7 +552,7 @@ class AllReduceRound:
                 b - a,
                 rng=self._rng(),
                 decoded=self._decoded,
-                rule=self.spec.aggregation,
+                rule=self.spec.robust,
             )
             values = self._slot_of(self._mine)
             self._codec.decode_into(payload, b - a, values)

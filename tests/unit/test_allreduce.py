@@ -538,7 +538,7 @@ def chunkwise_reference(spec: RoundSpec, payloads: list[bytes], weights: list[fl
     out = []
     for a, b in spec.bounds():
         parts = [c.decode(c.slice_payload(p, spec.numel, a, b), b - a) for p in payloads]
-        mean = aggregate(parts, weights, spec.aggregation)
+        mean = aggregate(parts, weights, spec.robust)
         out.append(c.decode(c.encode(mean), b - a))
     return np.concatenate(out)
 
@@ -562,7 +562,7 @@ RULES = [RobustRule("trimmed_mean"), RobustRule("centered_clip")]
 def test_robust_rule_members_agree_on_the_owners_bytes(
     codec: str, n: int, rule: RobustRule
 ) -> None:
-    spec, payloads, weights, _ = honest_inputs(n, 2500, codec, seed=n, aggregation=rule)
+    spec, payloads, weights, _ = honest_inputs(n, 2500, codec, seed=n, robust=rule)
     expected = chunkwise_reference(spec, payloads, weights)
     for jitter in (None, 1, 2):
         net = run_net(Net(spec, payloads, weights, jitter_seed=jitter))
@@ -574,7 +574,7 @@ def test_robust_rule_members_agree_on_the_owners_bytes(
 
 def test_default_spec_is_the_plain_mean_without_checks() -> None:
     spec, payloads, weights = make_inputs(4, 1000, "e3m0")
-    assert spec.aggregation == RobustRule() and spec.checks is None
+    assert spec.robust == RobustRule() and spec.checks is None
     assert chunkwise_reference(spec, payloads, weights).tobytes() == (
         reference(spec, payloads, weights).tobytes()
     )
@@ -583,14 +583,14 @@ def test_default_spec_is_the_plain_mean_without_checks() -> None:
 @pytest.mark.parametrize("n", [3, 5, 8])
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.kind)
 def test_robust_rule_resists_scaled_parts(n: int, rule: RobustRule) -> None:
-    spec, payloads, weights, xs = honest_inputs(n, 3000, "fp32", seed=n, aggregation=rule)
+    spec, payloads, weights, xs = honest_inputs(n, 3000, "fp32", seed=n, robust=rule)
     bad = spec.members[1:][: rule.tolerates(n)]
     honest = [i for i, m in enumerate(spec.members) if m not in bad]
     hmean = np.average(xs[honest].astype(np.float64), axis=0, weights=np.take(weights, honest))
     spread = float(np.sqrt(np.mean([np.sum((xs[i] - hmean) ** 2) for i in honest])))
     mutate = {m: _scaled_parts(spec, 1e4) for m in bad}
     robust = run_net(Net(spec, payloads, weights, mutate=mutate)).done()
-    plain_spec = replace(spec, aggregation=RobustRule())
+    plain_spec = replace(spec, robust=RobustRule())
     plain = run_net(Net(plain_spec, payloads, weights, mutate=mutate)).done()
     assert set(robust) == set(plain) == set(spec.members)
     assert np.linalg.norm(robust["peer0"] - hmean) < 3 * spread
@@ -648,7 +648,7 @@ def test_an_owner_whose_own_part_fails_the_checks_blames_nobody() -> None:
 def test_spec_rejects_a_bad_rule_or_checks() -> None:
     members = ("a", "b")
     with pytest.raises(ConfigError):
-        RoundSpec(KEY, members, 10, "fp32", aggregation="trimmed_mean")  # type: ignore[arg-type]
+        RoundSpec(KEY, members, 10, "fp32", robust="trimmed_mean")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         RoundSpec(KEY, members, 10, "fp32", checks=3)  # type: ignore[arg-type]
 
