@@ -124,6 +124,8 @@ class Attestation:
         for name in ("digest", "parent"):
             if _HEX.fullmatch(getattr(self, name)) is None:
                 return f"{name} is not lowercase hex"
+        if len(self.members) > MAX_MEMBERS:
+            return f"{len(self.members)} members, more than {MAX_MEMBERS}"
         if not self.members or list(self.members) != sorted(set(self.members)):
             return "members are not a sorted list of distinct peers"
         return None

@@ -38,6 +38,11 @@ Faults, all deterministic (one ``random.Random(seed)`` draws every jitter and du
   it, and each announcement and read tells its :class:`~atoll.protocol.liveness.Liveness`
   which peers answered (reachable) and which did not (silenced, or across a split), as
   the DHT's requests to every closest peer do.
+- The board also holds attestations (:meth:`MemoryBoard.announce_attestation`,
+  :meth:`MemoryBoard.find_attestations`, an
+  :class:`~atoll.node.net.publisher.AttestationBoard`): one per (fragment, version,
+  peer), shared by every view and visible to all (a certificate outlives the split of
+  its round), each until it expires.
 - :attr:`~MemoryNetwork.delay_s`, :attr:`~MemoryNetwork.link_delay_s` (per directed link),
   :attr:`~MemoryNetwork.reorder_s` and :attr:`~MemoryNetwork.duplicate` (the probability
   that a message is delivered twice): plain attributes, changeable at any time.
@@ -65,7 +70,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from atoll.dht.records import ReadyRecord
+from atoll.dht.records import AttestationRecord, ReadyRecord
 from atoll.node.net.seam import ReadyBoard, RoundTransport
 from atoll.protocol.errors import ConfigError, ExchangeTimeout, PeerUnavailable
 from atoll.protocol.liveness import Liveness
@@ -83,6 +88,7 @@ Inbox = tuple[str, object]
 # the ready board
 # --------------------------------------------------------------------------------------
 _Slot = tuple[str, int, int]  # (run, fragment, slot)
+_Attests = dict[_Slot, dict[str, AttestationRecord]]  # (run, fragment, version) -> by peer
 
 
 class MemoryBoard:
@@ -104,6 +110,7 @@ class MemoryBoard:
         _records: dict[_Slot, dict[str, ReadyRecord]] | None = None,
         _reached: dict[tuple[_Slot, str], frozenset[str]] | None = None,
         _viewer: tuple[MemoryNetwork, str, Liveness | None] | None = None,
+        _attests: _Attests | None = None,
     ) -> None:
         self.run_id = run_id
         self.wall = wall
@@ -114,12 +121,18 @@ class MemoryBoard:
             {} if _reached is None else _reached
         )
         self._viewer = _viewer
+        self._attests: _Attests = {} if _attests is None else _attests
 
     def view(self, visible: Collection[str]) -> MemoryBoard:
         """A board over the same records that shows only those of the peers ``visible``
         (announcements through it are stored for everyone)."""
         return MemoryBoard(
-            self.run_id, self.wall, visible=visible, _records=self._records, _reached=self._reached
+            self.run_id,
+            self.wall,
+            visible=visible,
+            _records=self._records,
+            _reached=self._reached,
+            _attests=self._attests,
         )
 
     def _probe(self) -> frozenset[str] | None:
@@ -159,6 +172,32 @@ class MemoryBoard:
         await trio.lowlevel.checkpoint()
         self._probe()
         return self.records(fragment, slot)
+
+    async def announce_attestation(self, record: AttestationRecord, /) -> None:
+        """Store ``record`` until its ``expires_at`` (replacing the peer's older one of
+        the same fragment and version)."""
+        await trio.lowlevel.checkpoint()
+        if not isinstance(record, AttestationRecord):
+            raise ConfigError(
+                f"announce_attestation takes an AttestationRecord, not {type(record).__name__}"
+            )
+        key = (record.run_id, record.fragment, record.version)
+        self._attests.setdefault(key, {})[record.peer_id] = record
+        self._probe()
+
+    async def find_attestations(self, fragment: int, version: int, /) -> list[AttestationRecord]:
+        """The unexpired attestation records of this run's ``fragment`` at ``version``,
+        sorted by peer id."""
+        await trio.lowlevel.checkpoint()
+        self._probe()
+        key = (self.run_id, fragment, version)
+        held = self._attests.get(key, {})
+        now = self.wall()
+        for peer in [p for p, r in held.items() if r.expires_at <= now]:
+            del held[peer]
+        if not held:
+            self._attests.pop(key, None)
+        return [held[p] for p in sorted(held)]
 
     def records(self, fragment: int, slot: int) -> list[ReadyRecord]:
         """:meth:`find_ready` without the checkpoint (for tests' own looks)."""
@@ -443,6 +482,7 @@ class MemoryNetwork:
             _records=board._records,
             _reached=board._reached,
             _viewer=(self, peer, liveness),
+            _attests=board._attests,
         )
 
     def is_dead(self, peer: str) -> bool:
@@ -544,6 +584,9 @@ class MemoryNetwork:
 
 
 if TYPE_CHECKING:  # static checks only: the memory classes fit the seams
+    from atoll.node.net.publisher import AttestationBoard
 
-    def _fits(transport: MemoryTransport, board: MemoryBoard) -> tuple[RoundTransport, ReadyBoard]:
-        return transport, board
+    def _fits(
+        transport: MemoryTransport, board: MemoryBoard
+    ) -> tuple[RoundTransport, ReadyBoard, AttestationBoard]:
+        return transport, board, board

@@ -4,7 +4,11 @@
 of the run that has not expired, and what follows from them for a sync:
 
 - :meth:`PeerTracker.holdings`: ``(peer, version, digest)`` of a fragment, the input of
-  the rule for which state the swarm follows (:mod:`atoll.protocol.statesync`);
+  the rule for which state the swarm follows (:mod:`atoll.protocol.statesync`): only the
+  states the node believes (:attr:`PeerTracker.beliefs`, a
+  :class:`~atoll.protocol.certificate.CertifiedStates`: the seed or a certified state);
+  :meth:`PeerTracker.declared` gives every declaration, believed or not (what a
+  certificate lookup starts from);
 - :meth:`PeerTracker.group_settings`: the manifest's group settings for the peers that
   answer now and still train (see below): the most members capped at them, so a leader
   closes its group as soon as every one has joined instead of waiting out the grace
@@ -44,6 +48,7 @@ from typing import Protocol
 import trio
 
 from atoll.dht.records import PeerRecord
+from atoll.protocol.certificate import CertifiedStates
 from atoll.protocol.errors import AtollError, PeerUnavailable
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings
@@ -83,8 +88,14 @@ class PeerTracker:
         wall: Callable[[], float],
         addresses: AddressBook | None = None,
         liveness: Liveness | None = None,
+        beliefs: CertifiedStates | None = None,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.me = me
+        self.beliefs = beliefs
+        """which declared states may be followed (None: every one, as before certificates)"""
+        self.clock = clock
+        """the monotonic clock of :attr:`beliefs`' grace and retry times"""
         self.liveness = liveness if liveness is not None else Liveness()
         """who answers (shared with the DHT and the round drivers)"""
         self.group = group
@@ -113,12 +124,28 @@ class PeerTracker:
         if peer_id != self.me:
             self.seen.add(peer_id)
 
-    def holdings(self, fragment: int) -> list[Holding]:
+    def declared(self, fragment: int) -> list[Holding]:
         """``(peer, version, digest)`` of ``fragment`` from the live records of the
         responsive peers (a state held only across a split cannot be copied, and its
-        holders are not the swarm this node trains with until they answer again)."""
+        holders are not the swarm this node trains with until they answer again), believed
+        or not."""
         records = (self.live[p] for p in self.responsive())
         return holdings_of(fragment, [(r.peer_id, r.versions, r.digests) for r in records])
+
+    def holdings(self, fragment: int, mine: tuple[int, str] | None = None) -> list[Holding]:
+        """:meth:`declared` states that this node believes (see :meth:`believed`)."""
+        return self.believed(fragment, self.declared(fragment), mine)
+
+    def believed(
+        self, fragment: int, holdings: Sequence[Holding], mine: tuple[int, str] | None = None
+    ) -> list[Holding]:
+        """``holdings`` of ``fragment`` whose state :attr:`beliefs` believes (all without
+        beliefs); ``mine``, this node's own state, is believed. A declaration left out is
+        logged once per peer, and its declarer reported (``on_uncertified``) once its
+        claim is past the grace or out of reach."""
+        if self.beliefs is None:
+            return list(holdings)
+        return self.beliefs.believed(fragment, holdings, now=self.clock(), mine=mine)
 
     def responsive(self) -> list[str]:
         """The peers with a live record that have not failed a request since they were

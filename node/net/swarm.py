@@ -14,6 +14,12 @@ each do one job:
   :class:`~atoll.protocol.sync.FragmentSync` decides it (matchmaking, all-reduce, commit
   or roll back, rebase), and the answers to peers' state requests;
 - :class:`~atoll.node.net.publisher.RecordPublisher`: this peer's record in the DHT;
+- certified states: :class:`~atoll.protocol.certificate.CertifiedStates` (the tracker's
+  beliefs: the seed digests computed at start, the manifest's quorum, the DHT's
+  verifier) and :class:`~atoll.node.net.publisher.AttestationPublisher` (this member's
+  attestation of each committed round, sealed with its identity, in the DHT);
+  :attr:`_Node.on_uncertified` hears of peers that declare a state no certificate
+  vouches for (counted in :attr:`_Node.uncertified`; bans build on it);
 - :class:`~atoll.node.net.tally.SyncTally` and the :class:`~atoll.node.net.status.
   NodeStatus` sent to the trainer every second (:func:`~atoll.node.net.bridge.post_status`).
 
@@ -33,7 +39,8 @@ swarm's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import trio
@@ -47,12 +54,13 @@ from atoll.node.net.faults import parse_fault
 from atoll.node.net.host import AGENT, AtollHost, HostConfig, open_host
 from atoll.node.net.join import JoinFailed, join_swarm
 from atoll.node.net.peers import PeerTracker
-from atoll.node.net.publisher import RECORD_TTL_S, RecordPublisher
+from atoll.node.net.publisher import RECORD_TTL_S, AttestationPublisher, RecordPublisher
 from atoll.node.net.rounds import Mailbox
 from atoll.node.net.status import NodeStatus
 from atoll.node.net.syncer import FaultHook, Syncer
 from atoll.node.net.tally import SyncTally
 from atoll.node.settings import load_membership
+from atoll.protocol.certificate import CertifiedStates
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.liveness import Liveness
@@ -86,6 +94,8 @@ class _Node:
         fault: FaultHook | None,
         background: trio.Nursery,
         liveness: Liveness,
+        signer: EnvelopeSigner,
+        verifier: EnvelopeVerifier,
     ) -> None:
         self.shared = shared
         self.outbox = outbox
@@ -95,6 +105,21 @@ class _Node:
         self.run_id = manifest.run_id()
         self.clock = SystemClock()
         self.tally = SyncTally()
+        timeouts = manifest.timeouts
+        self.uncertified: Counter[str] = Counter()
+        """per peer: declarations of states no certificate vouched for"""
+        self.on_uncertified: Callable[[str, int, int], None] | None = None
+        """``(peer, fragment, version)``, after the count (a ban policy hooks in here)"""
+        self.beliefs = CertifiedStates(
+            self.run_id,
+            quorum=manifest.group.min_quorum,
+            verifier=verifier,
+            # version 0 is the manifest's seed: the copy the trainer wrote at start
+            seeds=[engine.digest(p) if engine.version(p) == 0 else "" for p in range(len(shared))],
+            on_uncertified=self._uncertified,
+            # a round's members publish their attestations within about one round
+            grace_s=timeouts.matchmaking_s + timeouts.round_s,
+        )
         self.peers = PeerTracker(
             host.peer_id,
             manifest.group,
@@ -102,6 +127,10 @@ class _Node:
             wall=self.clock.wall,
             addresses=host,
             liveness=liveness,
+            beliefs=self.beliefs,
+        )
+        self.attester = AttestationPublisher(
+            dht, signer, peer_id=host.peer_id, wall=self.clock.wall, held=self._held
         )
         self.mailbox = Mailbox(
             host,
@@ -122,6 +151,8 @@ class _Node:
             on_change=self._changed,
             fault=fault,
             background=background,
+            attestations=dht,
+            attest=self.attester.submit,
         )
         self._changes = 0  # commits and imports so far: a record is due after each
         self.training = True
@@ -141,6 +172,15 @@ class _Node:
         self.shared.global_(p)[:] = self.engine.global_params(p)
         self._changes += 1
         self.tally.changed(p, self.engine.version(p), self.engine.digest(p), how)
+
+    def _uncertified(self, peer: str, p: int, version: int) -> None:
+        self.uncertified[peer] += 1
+        if self.on_uncertified is not None:
+            self.on_uncertified(peer, p, version)
+
+    def _held(self, p: int) -> tuple[int, str]:
+        """Fragment ``p``'s version and digest as held now (cached since its change)."""
+        return self.engine.version(p), self.engine.digest(p)
 
     async def handle(self, p: int, step: int, tokens: int) -> SyncOutcome:
         """One sync of fragment ``p`` started at ``step`` (the bridge's handler)."""
@@ -237,6 +277,8 @@ class _Node:
         mine = [(self.engine.version(p), self.engine.digest(p)) for p in range(len(self.shared))]
         out = []
         for peer in self.peers.responsive():
+            if self.beliefs.reported(peer):  # its word on its copy is not taken
+                continue
             r = self.peers.live[peer]
             theirs = list(zip(r.versions, r.digests, strict=False))
             if theirs != mine:
@@ -346,6 +388,8 @@ async def swarm_worker(
     liveness = Liveness()
     host_config = HostConfig(listen=tuple(listen), dial_timeout_s=manifest.timeouts.dial_s)
     membership, certificate = load_membership(manifest, cert_file)  # atoll.node.settings
+    signer = EnvelopeSigner(identity, certificate)
+    verifier = EnvelopeVerifier(membership)  # records and attestations: members only
     async with (
         open_host(
             identity, run_id, host_config, membership=membership, certificate=certificate
@@ -353,8 +397,8 @@ async def swarm_worker(
         AtollDHT.start(
             host.libp2p_host,
             run_id=run_id,
-            verifier=EnvelopeVerifier(membership),
-            signer=EnvelopeSigner(identity, certificate),
+            verifier=verifier,
+            signer=signer,
             clock=SystemClock(),
             timeout_s=dht_timeout_s,
             liveness=liveness,
@@ -373,8 +417,11 @@ async def swarm_worker(
             fault=fault_hook,
             background=nursery,
             liveness=liveness,
+            signer=signer,
+            verifier=verifier,
         )
         nursery.start_soon(node.mailbox.run)
+        nursery.start_soon(node.attester.run)
 
         def on_suspect(peer: str, failures: int) -> None:
             # twice silent in a row: its connections may sit in TCP back-off after the

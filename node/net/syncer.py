@@ -20,6 +20,15 @@ abandoned half-way (``trio.to_thread.run_sync`` waits for the thread). A driver 
 cancelled, or fails for a reason the machine did not foresee, aborts the sync: the
 machine rolls it back exactly once.
 
+Certified states. When the tracker holds beliefs
+(:attr:`~atoll.node.net.peers.PeerTracker.beliefs`) and the syncer an attestation board,
+each sync (and catch-up) first looks up the certificates of the declared states that
+could change its choice (:meth:`Syncer.certify`: the most held first, at most a few, each
+within the answer bound, a failed one not again for a few seconds), and the machine
+follows believed states only. After a committed round the machine's attestation goes to
+``attest`` (the node seals and publishes it, :class:`~atoll.node.net.publisher.
+AttestationPublisher`).
+
 It depends only on the seams of :mod:`atoll.node.net.seam`, so the same driver runs a
 node's syncs over libp2p and a test's over :mod:`atoll.node.net.memory` under a fake
 clock. It also answers peers' state requests (:meth:`Syncer.serve_request`).
@@ -37,6 +46,7 @@ import numpy as np
 import trio
 
 from atoll.node.net.peers import PeerTracker
+from atoll.node.net.publisher import AttestationBoard
 from atoll.node.net.rounds import (
     Mailbox,
     RoundTraffic,
@@ -49,6 +59,7 @@ from atoll.node.net.seam import ReadyBoard, RoundTransport
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
 from atoll.protocol import sync as fs
+from atoll.protocol.certificate import Attestation
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
 from atoll.protocol.manifest import Timeouts
@@ -111,6 +122,8 @@ class Syncer:
         fault: FaultHook | None = None,
         background: trio.Nursery | None = None,
         offload: Offload | None = None,
+        attestations: AttestationBoard | None = None,
+        attest: Callable[[Attestation], None] | None = None,
     ) -> None:
         self.transport = transport
         self.mailbox = mailbox
@@ -128,6 +141,10 @@ class Syncer:
         self.offload: Offload = offload if offload is not None else trio.to_thread.run_sync
         """how engine work leaves the event loop (a worker thread; tests under a fake clock
         run it inline, since a clock that jumps while a thread works fires every timeout)"""
+        self.attestations = attestations
+        """where certificates are looked up (None: no lookups)"""
+        self.attest = attest
+        """called with this member's attestation after each committed round"""
         self.lock = trio.Lock()
         """one engine call at a time"""
         self.step = 0
@@ -140,13 +157,45 @@ class Syncer:
         return result
 
     def _machine(self, p: int) -> fs.FragmentSync:
+        beliefs = self.peers.beliefs
         return fs.FragmentSync(
             self.engine,
             p,
             peer_id=self.transport.peer_id,
             run_id=self.run_id,
             on_change=self.on_change,
+            believes=None if beliefs is None else functools.partial(beliefs.believes, p),
         )
+
+    def _mine(self, p: int) -> tuple[int, str]:
+        return self.engine.version(p), self.engine.digest(p)
+
+    async def certify(self, p: int, extra: list[fs.Holding] | None = None) -> tuple[int, str]:
+        """Look up the certificates of the declared states of ``p`` that could change
+        this node's choice (see the module docstring); returns this node's own state."""
+        mine = await self.engine_call(self._mine, p)
+        beliefs = self.peers.beliefs
+        if beliefs is None or self.attestations is None:
+            return mine
+        declared = [*self.peers.declared(p), *(extra or [])]
+        todo = beliefs.to_check(p, declared, now=trio.current_time(), mine=mine)
+        # all lookups within one answer bound: a state not reached is looked up next time
+        with trio.move_on_after(answer_bound(self.timeouts)):
+            for version, digest in todo:
+                try:
+                    records = await self.attestations.find_attestations(p, version)
+                except AtollError as e:
+                    logger.debug("fragment %d version %d: no attestations: %s", p, version, e)
+                    records = []
+                seals = [
+                    r.attestation for r in records if (r.version, r.digest) == (version, digest)
+                ]
+                beliefs.offer(p, version, digest, seals, now=trio.current_time())
+        return mine
+
+    def _attested(self, machine: fs.FragmentSync) -> None:
+        if machine.attestation is not None and self.attest is not None:
+            self.attest(machine.attestation)
 
     # -- a sync ------------------------------------------------------------------------------
     async def sync(self, p: int, local: np.ndarray, step: int) -> SyncReport:
@@ -157,13 +206,16 @@ class Syncer:
         report = SyncReport(fs.SyncDone(p, step, False, -1, "", "none"), 0.0)
         try:
             await self.engine_call(machine.begin, local, step)
-            holdings = self.peers.holdings(p)
+            mine = await self.certify(p)
+            holdings = self.peers.holdings(p, mine)
             plan = functools.partial(machine.plan, holdings, wall_now=self.wall())
             action = await self.engine_call(plan)
             report.done = await self._drive(machine, action, report)
         except BaseException as e:
             await self._abort(machine, e)
             raise
+        finally:
+            self._attested(machine)
         report.seconds = round(trio.current_time() - t0, 3)
         return report
 
@@ -172,7 +224,9 @@ class Syncer:
         node's (a node that starts); a SyncDone with ``rebased`` set when it did."""
         machine = self._machine(p)
         try:
-            action = await self.engine_call(machine.catch_up, self.peers.holdings(p), self.step)
+            mine = await self.certify(p)
+            holdings = self.peers.holdings(p, mine)
+            action = await self.engine_call(machine.catch_up, holdings, self.step)
             return await self._drive(machine, action, None)
         except BaseException as e:
             await self._abort(machine, e)
@@ -197,7 +251,7 @@ class Syncer:
                 return action
             if isinstance(action, fs.FindGroup):
                 found = await self._find_group(action.declaration, seen)
-                holdings = self._holdings(machine.fragment, seen)
+                holdings = await self._holdings(machine.fragment, seen)
                 action = await self.engine_call(machine.matched, found, holdings)
                 self._log_slot(action, machine, seen)
             elif isinstance(action, fs.RunRound):
@@ -217,7 +271,7 @@ class Syncer:
                 )
                 if report is not None:
                     report.traffic = traffic
-                holdings = self._holdings(machine.fragment, seen)
+                holdings = await self._holdings(machine.fragment, seen)
                 action = await self.engine_call(machine.reduced, result, holdings)
                 self._log_slot(action, machine, seen)
             else:
@@ -266,12 +320,18 @@ class Syncer:
             return machine.fetch_failed(str(e))
         return await self.engine_call(machine.fetched, state)
 
-    def _holdings(self, p: int, seen: dict[str, tuple[int, str]]) -> list[fs.Holding]:
+    async def _holdings(self, p: int, seen: dict[str, tuple[int, str]]) -> list[fs.Holding]:
         """The live records' holdings of ``p``, updated by what the slot's declarations
-        showed (newer news of the same peers)."""
-        live = {peer: (peer, v, d) for peer, v, d in self.peers.holdings(p)}
+        showed (newer news of the same peers), the believed ones only (a declaration
+        names a version as freely as a record does). Certificates are looked up first
+        (:meth:`certify`): after a split heals, this is where the side off the leading
+        copy learns that it is certified, and rebases. In a healthy swarm there is
+        nothing to look up here (the group's members hold this node's state)."""
+        live = {peer: (peer, v, d) for peer, v, d in self.peers.declared(p)}
         live.update((peer, (peer, v, d)) for peer, (v, d) in seen.items())
-        return list(live.values())
+        holdings = list(live.values())
+        mine = await self.certify(p, holdings)
+        return self.peers.believed(p, holdings, mine)
 
     def _checkpoint(self, p: int, slot: int) -> Callable[[str], None] | None:
         return self.fault(p, slot) if self.fault is not None else None

@@ -54,8 +54,16 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from atoll.dht.kad import DHT_PROTOCOL, AtollDHT, _KadHost
 from atoll.dht.keys import peer_key
-from atoll.dht.records import PeerRecord, ReadyRecord, Record, RejectedRecord, encode_value
+from atoll.dht.records import (
+    AttestationRecord,
+    PeerRecord,
+    ReadyRecord,
+    Record,
+    RejectedRecord,
+    encode_value,
+)
 from atoll.node.net.host import HostConfig, open_host
+from atoll.protocol.certificate import Attestation, assemble, seal_attestation
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.messages import decode_message, encode_message
@@ -139,10 +147,17 @@ async def _node(args: argparse.Namespace) -> None:
                 started["announce_s"] = time.perf_counter() - t0
             started["table"] = dht.routing_table_peers()
             print(json.dumps(started), flush=True)
-            await _serve_commands(lambda cmd: _command(dht, clock, host, cmd))
+            signer = EnvelopeSigner(identity)
+            await _serve_commands(lambda cmd: _command(dht, clock, host, cmd, signer))
 
 
-async def _command(dht: AtollDHT, clock: ShiftedClock, host: BasicHost, cmd: dict[str, Any]) -> Any:
+async def _command(
+    dht: AtollDHT,
+    clock: ShiftedClock,
+    host: BasicHost,
+    cmd: dict[str, Any],
+    signer: EnvelopeSigner | None = None,
+) -> Any:
     """One command of the tests; ``AtollDHT`` internals are poked only to play a broken or
     hostile peer (store_raw, inject) or to look inside (has, protocols)."""
     op = cmd["op"]
@@ -168,6 +183,27 @@ async def _command(dht: AtollDHT, clock: ShiftedClock, host: BasicHost, cmd: dic
         now = clock.wall()
         await dht.announce_ready(ready_record(dht.peer_id, cmd["fragment"], cmd["slot"], now))
         return {}
+    if op == "announce_attestation":  # this node attests (fragment, version, digest)
+        assert signer is not None
+        attestation = Attestation(
+            RUN, cmd["fragment"], cmd["version"], cmd["digest"], "0" * 32, tuple(cmd["members"])
+        )
+        now = clock.wall()
+        record = AttestationRecord(
+            dht.peer_id,
+            RUN,
+            attestation.fragment,
+            attestation.version,
+            attestation.digest,
+            seal_attestation(attestation, signer),
+            now,
+            now + 300,
+        )
+        await dht.announce_attestation(record)
+        return {}
+    if op == "find_attestations":
+        records = await dht.find_attestations(cmd["fragment"], cmd["version"])
+        return {"records": [encode_message(r).hex() for r in records]}
     if op == "liveness":  # what this node's DHT learned of one peer, on its trio clock
         now = trio.current_time()
         heard = dht.liveness.heard_at(cmd["peer"])
@@ -383,7 +419,7 @@ def await_start(node: Node) -> Node:
 
 def record_of(hex_record: str) -> Record:
     record = decode_message(bytes.fromhex(hex_record))
-    assert isinstance(record, PeerRecord | ReadyRecord)
+    assert isinstance(record, PeerRecord | ReadyRecord | AttestationRecord)
     return record
 
 
@@ -457,6 +493,34 @@ def test_find_ready_returns_both_peers_ready_records(swarm: Swarm) -> None:
     empty = b.call("find_ready", fragment=3, slot=8)  # nobody announced this slot
     assert empty.get("records") == [], empty
     print(f"\nfind_ready {', '.join(f'{t:.3f}' for t in times)} s; none {empty['s']:.3f} s")
+
+
+@pytest.mark.timeout(240)
+def test_attestations_of_two_members_are_found_and_make_a_certificate(swarm: Swarm) -> None:
+    a, b = swarm.a, swarm.b
+    members = sorted([a.peer_id, b.peer_id])
+    digest = "5" * 32
+    for node in (a, b):
+        out = node.call(
+            "announce_attestation", fragment=2, version=9, digest=digest, members=members
+        )
+        assert "error" not in out, out
+    out = swarm.boot.call("find_attestations", fragment=2, version=9)
+    records = [record_of(r) for r in out["records"]]
+    assert [r.peer_id for r in records] == members, out
+    assert all(isinstance(r, AttestationRecord) for r in records)
+    cert = assemble(
+        [r.attestation for r in records],  # type: ignore[union-attr]
+        run_id=RUN,
+        fragment=2,
+        version=9,
+        digest=digest,
+        quorum=2,
+        verifier=EnvelopeVerifier(),
+    )
+    assert cert is not None and sorted(cert.signers) == members
+    assert b.call("find_attestations", fragment=2, version=10).get("records") == []
+    print(f"\nfind_attestations {out['s']:.3f} s")
 
 
 @pytest.mark.timeout(240)

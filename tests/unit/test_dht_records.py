@@ -25,9 +25,12 @@ from atoll.dht.keys import (
     MAX_PEER_ID_LEN,
     MAX_SLOT,
     MAX_TOPIC_BYTES,
+    AttestKey,
     PeerKey,
     ReadyKey,
     StateKey,
+    attest_key,
+    attest_topic,
     parse_key,
     peer_key,
     peers_topic,
@@ -44,6 +47,7 @@ from atoll.dht.records import (
     MAX_TTL_S,
     MAX_VALUE_BYTES,
     RECORD_DOMAIN,
+    AttestationRecord,
     PeerRecord,
     ReadyRecord,
     Record,
@@ -649,3 +653,61 @@ def test_servers_and_summary() -> None:
         (1, ((2, 1), (1, 1)), 0),
         (5, (), 1),
     ]
+
+
+# =============================================================================================
+# attestation records (certified global states)
+# =============================================================================================
+def attestation_record(peer: str = ALICE, **changes: object) -> AttestationRecord:
+    base = AttestationRecord(
+        peer_id=peer,
+        run_id=RUN,
+        fragment=1,
+        version=9,
+        digest=DIGEST,
+        attestation=b"\x01" * 120,
+        issued_at=T0,
+        expires_at=T0 + 600,
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_attestation_keys_round_trip_and_fit() -> None:
+    key = attest_key(RUN, 1, 9, ALICE)
+    assert key == f"{KEY_PREFIX}{run_tag(RUN)}/cert/1/9/{ALICE}"
+    assert parse_key(key) == AttestKey(run_tag(RUN), 1, 9, ALICE)
+    longest = attest_key("f" * 64, MAX_FRAGMENT, MAX_SLOT, "z" * MAX_PEER_ID_LEN)
+    assert len(longest.encode()) <= MAX_KEY_BYTES
+    assert len(attest_topic("f" * 64, MAX_FRAGMENT, MAX_SLOT).encode()) <= MAX_TOPIC_BYTES
+    with pytest.raises(CodecError):
+        attest_key(RUN, 1, MAX_SLOT + 1, ALICE)
+
+
+def test_attestation_records_round_trip_and_match_their_key() -> None:
+    record = attestation_record()
+    assert roundtrip(record) == record
+    assert message_kind(AttestationRecord) == 103
+    with refused("key", "version 9, the key for 10"):
+        validate(record, key=attest_key(RUN, 1, 10, ALICE), now=T0)
+    with refused("key", "fragment 1, the key 2"):
+        validate(record, key=attest_key(RUN, 2, 9, ALICE), now=T0)
+    with refused("key", f"the key names {BOB}"):
+        validate(record, key=attest_key(RUN, 1, 9, BOB), now=T0)
+    with refused("key", "cannot be stored"):
+        validate(record, key=state_key(RUN, 1, ALICE), now=T0)
+
+
+@pytest.mark.parametrize(
+    ("changes", "rule", "match"),
+    [
+        ({"version": 0}, "malformed", "seed"),
+        ({"attestation": b""}, "malformed", "empty"),
+        ({"digest": ""}, "malformed", "empty"),
+        ({"attestation": b"\x00" * (MAX_RECORD_BYTES + 1)}, "malformed", ""),
+    ],
+)
+def test_bad_attestation_records_are_refused(
+    changes: dict[str, object], rule: str, match: str
+) -> None:
+    with refused(rule, match):
+        check_record(attestation_record(**changes), now=T0)

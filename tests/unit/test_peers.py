@@ -150,3 +150,34 @@ def test_a_listener_hears_each_new_suspicion_with_the_failures_in_a_row() -> Non
     live.heard("x", 7.0)
     live.failed("x", 8.0)
     assert heard == [("x", 1), ("x", 2), ("x", 1)]
+
+
+def test_holdings_keep_only_believed_states_and_report_the_rest() -> None:
+    from atoll.protocol.certificate import CertifiedStates
+
+    class _NoSeals:
+        def open(self, data: bytes, *, domain: str, max_payload: int) -> tuple[bytes, str]:
+            raise AssertionError("nothing to open here")
+
+    reported: list[tuple[str, int, int]] = []
+    beliefs = CertifiedStates(
+        RUN,
+        quorum=2,
+        verifier=_NoSeals(),
+        seeds=["d0"],
+        on_uncertified=lambda *claim: reported.append(claim),
+    )
+    records = [_record("p0"), _record("p1", version=1), _record("liar", version=10**6)]
+    tracker = PeerTracker(
+        "me",
+        GroupSettings(2, 8, 1.0),
+        directory=_Directory(records),
+        wall=lambda: NOW,
+        beliefs=beliefs,
+        clock=lambda: 0.0,
+    )
+    tracker.note(records)
+    assert [h[0] for h in tracker.declared(0)] == ["p0", "p1", "liar"]
+    assert tracker.holdings(0, mine=(0, "d0")) == [("p0", 0, "d0")]
+    assert tracker.holdings(0, mine=(1, "d1")) == [("p0", 0, "d0"), ("p1", 1, "d1")]
+    assert reported == [("liar", 0, 10**6)]  # far out of reach: at once, and once

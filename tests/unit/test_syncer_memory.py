@@ -3,7 +3,9 @@ fake clock: the :class:`~atoll.protocol.sync.FragmentSync` machine driven by
 :class:`~atoll.node.net.syncer.Syncer` over :mod:`atoll.node.net.memory`.
 
 Each node has its own outer engine, mailbox, peer tracker and syncer, exactly as the
-swarm worker wires them; only the transport, the ready board and the peer records are in
+swarm worker wires them, certified states included (each node signs its attestations
+with an Ed25519 identity of its own, publishes them on the board, and follows only
+certified states); only the transport, the ready board and the peer records are in
 memory. Every survivor must end committed with the same bytes, or rolled back with its
 engine unchanged, whatever dies when; no test waits on the wall clock.
 """
@@ -19,18 +21,42 @@ import pytest
 import trio
 import trio.testing
 
-from atoll.dht.records import PeerRecord
+from atoll.dht.records import AttestationRecord, PeerRecord
+from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
 from atoll.node.net.memory import MemoryNetwork
 from atoll.node.net.peers import PeerTracker
+from atoll.node.net.publisher import AttestationPublisher
 from atoll.node.net.rounds import Mailbox
 from atoll.node.net.syncer import Syncer, SyncReport, answer_bound, inline
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
+from atoll.protocol.certificate import Attestation, CertifiedStates, seal_attestation
 from atoll.protocol.engine import EngineConfig, OuterEngine
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings, Timeouts
 from atoll.protocol.schedule import Schedule
+from atoll.security.identity import Identity, generate
+
+_IDENTITIES: dict[str, Identity] = {}
+_NAMES: dict[str, str] = {}  # real peer id -> the test's peer name
+
+
+def _identity(name: str) -> Identity:
+    """The Ed25519 identity of the test peer ``name`` (made once per test session)."""
+    if name not in _IDENTITIES:
+        _IDENTITIES[name] = identity = generate()
+        _NAMES[identity.peer_id] = name
+    return _IDENTITIES[name]
+
+
+class NamedVerifier:
+    """Real signature checks, signers named as the test names its peers."""
+
+    def open(self, data: bytes, *, domain: str, max_payload: int) -> tuple[bytes, str]:
+        payload, signer = EnvelopeVerifier().open(data, domain=domain, max_payload=max_payload)
+        return payload, _NAMES.get(signer, signer)
+
 
 RUN = "ab" * 32
 N = 2000
@@ -52,6 +78,8 @@ class Node:
     changes: list[tuple[int, str]] = field(default_factory=list)
     report: SyncReport | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    reported: list[tuple[str, int, int]] = field(default_factory=list)
+    """the peers this node reported for an uncertified declaration"""
 
     def state(self) -> tuple[int, str]:
         return self.engine.version(0), self.engine.digest(0)
@@ -63,6 +91,8 @@ class Directory:
     def __init__(self, net: MemoryNetwork) -> None:
         self.net = net
         self.nodes: dict[str, Node] = {}
+        self.forged: list[tuple[str, int, str]] = []
+        """``(peer, version, digest)`` records of peers that only claim a state"""
 
     async def find_peers(self) -> list[PeerRecord]:
         await trio.lowlevel.checkpoint()
@@ -82,6 +112,9 @@ class Directory:
             )
             for n in self.nodes.values()
             if not self.net.is_dead(n.peer)
+        ] + [
+            PeerRecord(peer, RUN, (), "atoll/liar", 0.0, (v,), (d,), True, now, now + 120.0)
+            for peer, v, d in self.forged
         ]
 
 
@@ -98,18 +131,37 @@ async def _node(
     engine = OuterEngine(_config(codec), Schedule(4, 1), [initial])
     transport = net.transport(peer)
     liveness = Liveness()
-    tracker = PeerTracker(peer, group, directory=directory, wall=net.wall, liveness=liveness)
+    node = Node(peer, engine, None)  # type: ignore[arg-type]
+    beliefs = CertifiedStates(
+        RUN,
+        quorum=group.min_quorum,
+        verifier=NamedVerifier(),
+        seeds=[engine.digest(0)],
+        on_uncertified=lambda *claim: node.reported.append(claim),
+        grace_s=TIMEOUTS.matchmaking_s + TIMEOUTS.round_s,
+    )
+    tracker = PeerTracker(
+        peer, group, directory=directory, wall=net.wall, liveness=liveness, beliefs=beliefs
+    )
+    board = net.board_of(peer, liveness)
+    attester = AttestationPublisher(
+        board,
+        EnvelopeSigner(_identity(peer)),
+        peer_id=peer,
+        wall=net.wall,
+        held=lambda p: (engine.version(p), engine.digest(p)),
+    )
+    services.start_soon(attester.run)
     holder: list[Syncer] = []
 
     async def on_request(sender: str, msg: object) -> None:
         await holder[0].serve_request(sender, msg)
 
     mailbox = Mailbox(transport, on_request=on_request, hold_s=TIMEOUTS.round_s, liveness=liveness)
-    node = Node(peer, engine, None)  # type: ignore[arg-type]
     syncer = Syncer(
         transport=transport,
         mailbox=mailbox,
-        board=net.board_of(peer, liveness),
+        board=board,
         engine=engine,
         peers=tracker,
         run_id=RUN,
@@ -118,6 +170,8 @@ async def _node(
         on_change=lambda p, how: node.changes.append((p, how)),
         background=services,
         offload=inline,  # a worker thread would let the fake clock jump meanwhile
+        attestations=board,
+        attest=attester.submit,
     )
     holder.append(syncer)
     node.syncer = syncer
@@ -564,6 +618,87 @@ def test_a_node_one_version_behind_copies_the_state_and_joins_the_same_round() -
             assert late.reason == "rebased to version 1, then applied"
             assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
             assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+# --------------------------------------------------------------------------------------
+# certified states
+# --------------------------------------------------------------------------------------
+def test_a_liar_claiming_a_huge_version_is_never_fetched_from_and_rounds_go_on() -> None:
+    """A peer whose record claims version 10^6 (issue 10's forged state), backed by fake
+    certificates (its own signature alone; two sybils signing for members they are not):
+    honest nodes ignore it, never ask it for the state, report it at once, and apply
+    every round among themselves at the usual pace."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 4)
+            liar = "peer-liar"
+            net.transport(liar)  # reachable: it could serve bytes, were it asked
+            forged = "f" * ss.DIGEST_LEN
+            huge = 10**6
+            directory.forged.append((liar, huge, forged))
+            fakes = [
+                ((liar,), [liar]),  # alone, listing only itself
+                (("peer-0", "peer-1"), ["sybil-a", "sybil-b"]),  # signers not members
+            ]
+            for members, signers in fakes:
+                fake = Attestation(RUN, 0, huge, forged, "e" * 32, members)
+                for signer in signers:
+                    sealed = seal_attestation(fake, EnvelopeSigner(_identity(signer)))
+                    now = net.wall()
+                    await net.board.announce_attestation(
+                        AttestationRecord(signer, RUN, 0, huge, forged, sealed, now, now + 600)
+                    )
+            asked: list[object] = []
+            net.on_deliver = lambda sender, to, msg: asked.append(msg) if to == liar else None
+            start = nodes[0].state()
+            t0 = trio.current_time()
+            for k in range(3):
+                await _sync_nodes(nodes, 3 + 4 * k, k)
+                assert all(n.report.done.round_status == "applied" for n in nodes), [  # type: ignore[union-attr]
+                    n.report.done.reason
+                    for n in nodes  # type: ignore[union-attr]
+                ]
+                assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
+                assert len({n.state() for n in nodes}) == 1
+            assert nodes[0].state()[0] == start[0] + 3
+            assert not [m for m in asked if isinstance(m, ss.StateRequest)]
+            # three syncs: three trainings and three prompt rounds, no waiting on the liar
+            assert trio.current_time() - t0 < 3 * (TRAIN_S + GROUP.grace_s + 1.0)
+            for n in nodes:
+                assert n.reported == [(liar, 0, huge)], n.reported  # once, and nobody else
+                beliefs = n.syncer.peers.beliefs
+                assert beliefs is not None and not beliefs.believes(0, huge, forged)
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_joiner_rebases_onto_a_certified_state_only() -> None:
+    """A late node copies the swarm's state once its certificate is found; with the
+    attestations gone from the board it stays on the seed and fetches nothing."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 3)
+            await _sync_all(nodes, _locals(3), 3)
+            ahead = nodes[0].state()
+            assert ahead[0] == 1
+            await trio.sleep(1.0)  # the members' attestations are published
+            saved = dict(net.board._attests)
+            assert saved
+            net.board._attests.clear()  # the certificate cannot be found
+            late = await _node(net, directory, "peer-late", services, initial=np.zeros(N))
+            await late.syncer.peers.refresh()
+            done = await late.syncer.catch_up(0)
+            assert not done.rebased and late.state()[0] == 0
+            net.board._attests.update(saved)
+            await trio.sleep(10.0)  # past the retry time of the failed lookup
+            done = await late.syncer.catch_up(0)
+            assert done.rebased and late.state() == ahead
             services.cancel_scope.cancel()
 
     _run(main)
