@@ -26,8 +26,9 @@ A private run's bootstrap (``--run MANIFEST --cert CERT``, the manifest's
 ``[membership]`` private) serves that run's members only. It runs the run's atoll host
 (:func:`~atoll.node.net.host.open_host`) so that a peer proves its membership in the Hello
 exchange (nodes connect to their join addresses that way), and serves a DHT stream only to
-a peer whose Hello passed (:meth:`~atoll.node.net.host.AtollHost.admitted`): anyone else's
-is reset, with one WARNING line per peer. Every record it stores or serves must come from
+a peer whose Hello passed (:meth:`~atoll.node.net.host.AtollHost.wait_admitted`, which
+waits for a Hello in progress on the same connection): anyone else's is reset, with one
+WARNING line per peer. Every record it stores or serves must come from
 a member (:class:`~atoll.node.envelopes.EnvelopeVerifier` with the run's membership). It is
 itself a member: on the allowlist, or with a certificate of its own (nodes check the
 bootstrap's Hello as it checks theirs). Messages sent to it are dropped.
@@ -225,7 +226,7 @@ def _members_only(atoll: AtollHost) -> None:
 
     async def gated(stream: INetStream) -> None:
         peer = str(stream.muxed_conn.peer_id)
-        if atoll.admitted(peer):
+        if await atoll.wait_admitted(peer):
             await handler(stream)
             return
         if peer not in warned:

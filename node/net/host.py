@@ -287,6 +287,7 @@ class AtollHost:
         self._membership = membership
         self._members: set[str] = set()  # peers whose Hello passed the membership check
         self._member_certs: dict[str, bytes | None] = {}
+        self._awaited: dict[str, trio.Event] = {}  # wait_admitted's, per peer
         self._hello_frame = frame(
             encode_message(Hello(PROTOCOL_VERSION, run_id, identity.peer_id, AGENT, certificate))
         )
@@ -323,6 +324,21 @@ class AtollHost:
             self._members.discard(peer_id)
             return False
         return True
+
+    async def wait_admitted(self, peer_id: str) -> bool:
+        """:meth:`admitted`, after waiting up to ``hello_timeout_s`` for a Hello of
+        ``peer_id`` in progress (a peer may open another protocol's stream on the same
+        connection while its first atoll stream is still being admitted)."""
+        if self.admitted(peer_id):
+            return True
+        event = self._awaited.setdefault(peer_id, trio.Event())
+        try:
+            with trio.move_on_after(self._config.hello_timeout_s):
+                await event.wait()
+        finally:
+            if self._awaited.get(peer_id) is event:
+                del self._awaited[peer_id]
+        return self.admitted(peer_id)
 
     @property
     def libp2p_host(self) -> BasicHost:
@@ -621,6 +637,9 @@ class AtollHost:
             return e
         self._members.add(peer)
         self._member_certs[peer] = msg.certificate
+        waiting = self._awaited.pop(peer, None)
+        if waiting is not None:
+            waiting.set()
         return None
 
     @property
