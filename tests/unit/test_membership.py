@@ -285,3 +285,17 @@ def test_malformed_member_seals_are_codec_errors(data: bytes) -> None:
 def test_envelope_wire_form_is_unchanged_without_a_certificate() -> None:
     sealed = EnvelopeSigner(MEMBER).seal(RECORD_DOMAIN, b"x")
     SignedEnvelope.from_bytes(sealed)  # a bare envelope, as before member seals
+
+
+# -- the Hello's certificate, old peers ------------------------------------------------------
+def test_a_hello_without_certificate_is_the_old_four_field_form() -> None:
+    from atoll.protocol.messages import PROTOCOL_VERSION, Hello, decode_message, encode_message
+
+    old = Hello(PROTOCOL_VERSION, "ab" * 32, MEMBER.peer_id, "atoll/0")
+    wire = encode_message(old)
+    assert msgpack.unpackb(wire)[2] == [PROTOCOL_VERSION, "ab" * 32, MEMBER.peer_id, "atoll/0"]
+    assert decode_message(wire) == old and old.certificate is None
+    with_cert = Hello(PROTOCOL_VERSION, "ab" * 32, MEMBER.peer_id, "atoll/0", cert())
+    assert decode_message(encode_message(with_cert)) == with_cert
+    with pytest.raises(CodecError):
+        encode_message(Hello(PROTOCOL_VERSION, "ab" * 32, MEMBER.peer_id, "a", b"x" * 321))
