@@ -13,8 +13,9 @@ share (one timed-out request), not every later request of the swarm:
   (up to :attr:`Liveness.max_hold_s`). A suspected peer is skipped: the DHT leaves it out
   of the closest peers it asks, group sizes and majorities do not count it, and
   matchmaking does not pick it as a leader.
-- Once the hold has passed, the peer is tried again (a probe); it comes back as soon as it
-  answers, or as soon as a message of its own arrives. Until then it stays *silent*
+- Once the hold has passed, requests may go to the peer again; the node also probes its
+  silent peers in the background every few seconds, hold or not (one bounded dial each).
+  A peer comes back as soon as it answers, or as soon as a message of its own arrives. Until then it stays *silent*
   (:meth:`Liveness.silent`): requests may reach it again, but it does not count toward
   group sizes and majorities.
 

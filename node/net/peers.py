@@ -153,14 +153,14 @@ class PeerTracker:
         return [p for p in self.live if not self.liveness.silent(p)]
 
     async def probe_silent(self, probe: Callable[[str], Awaitable[bool]]) -> list[str]:
-        """Probe, at once, every peer with a live record that is silent and whose hold has
-        passed (``probe(peer)`` answers True when the peer answered; it tells the liveness
-        either way). Returns the peers that came back. Without this, a side of a healed
-        split might wait for the other to contact it first."""
-        now = trio.current_time()
-        due = [
-            p for p in self.live if self.liveness.silent(p) and not self.liveness.suspected(p, now)
-        ]
+        """Probe, at once, every peer with a live record that is silent (``probe(peer)``
+        answers True when the peer answered; it tells the liveness either way). Returns the
+        peers that came back. The hold does not delay a probe: it keeps requests of rounds
+        and lookups away from a silent peer, while a probe costs one bounded dial in the
+        background, so a healed link is noticed within one probe period instead of up to
+        the longest hold. Without this, a side of a healed split might wait for the other
+        to contact it first."""
+        due = [p for p in self.live if self.liveness.silent(p)]
         back: list[str] = []
 
         async def one(peer: str) -> None:

@@ -113,28 +113,30 @@ def test_liveness_holds_double_and_cap() -> None:
     assert live.suspicions == 4
 
 
-def test_silent_peers_past_their_hold_are_probed_and_come_back_when_they_answer() -> None:
+def test_silent_peers_are_probed_within_their_hold_and_come_back_when_they_answer() -> None:
     async def main() -> None:
-        tracker = _tracker([_record("a"), _record("b"), _record("c")], GroupSettings())
+        tracker = _tracker(
+            [_record("a"), _record("b"), _record("c"), _record("d")], GroupSettings()
+        )
         live = tracker.liveness
         now = trio.current_time()
-        live.failed("a", now - 10.0)  # hold passed: probed
+        live.failed("a", now - 10.0)  # hold passed
         live.failed("b", now - 10.0)  # hold passed, still silent
-        live.failed("c", now)  # within its hold: left alone
+        live.failed("c", now)  # within its hold: probed too (a healed link shows at once)
         asked: list[str] = []
 
         async def probe(peer: str) -> bool:
             asked.append(peer)
             await trio.sleep(0.5)
-            if peer == "a":
+            if peer in ("a", "c"):
                 live.heard(peer, trio.current_time())
                 return True
             live.failed(peer, trio.current_time(), "no answer")
             return False
 
-        assert await tracker.probe_silent(probe) == ["a"]
-        assert sorted(asked) == ["a", "b"]
-        assert tracker.responsive() == ["a"]
+        assert sorted(await tracker.probe_silent(probe)) == ["a", "c"]
+        assert sorted(asked) == ["a", "b", "c"]  # "d" answers: never probed
+        assert sorted(tracker.responsive()) == ["a", "c", "d"]
         assert live.suspected("b", trio.current_time())  # held again, for longer
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
