@@ -50,9 +50,11 @@ from typing import Any
 
 import msgpack
 
+from atoll.protocol.checks import PartChecks
 from atoll.protocol.codecs import Codec, make_codec
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import EXTRAS_RULES
+from atoll.protocol.robust import RobustRule
 
 __all__ = [
     "AGGREGATIONS",
@@ -396,6 +398,59 @@ class MembershipSettings:
         object.__setattr__(self, "org_key", org_key)
 
 
+@dataclass(frozen=True, slots=True)
+class RobustSettings:
+    """How a chunk's owner checks and combines the members' parts (the ``[robust]`` table;
+    docs/ALGORITHMS.md §5.3).
+
+    ``rule``: ``mean`` (the token-weighted mean: a swarm of trusted peers, the default),
+    ``trimmed_mean`` or ``centered_clip`` (:class:`atoll.protocol.robust.RobustRule`, with
+    ``trim``, ``clip_scale`` and ``iterations``). ``checks``: reject a part whose norm or
+    token weight exceeds ``norm_factor`` or ``weight_factor`` times the group's lower
+    median (:class:`atoll.protocol.checks.PartChecks`); the round then fails and names
+    the sender. Part of the run id only when it is not the default, so the run ids of
+    manifests written before the table existed stay what they were.
+    """
+
+    rule: str = "mean"
+    """mean, trimmed_mean or centered_clip"""
+    trim: float = 0.25
+    """trimmed_mean: the share of the group dropped at each end of every coordinate"""
+    clip_scale: float = 2.0
+    """centered_clip: the clipping radius in multiples of the median distance"""
+    iterations: int = 3
+    """centered_clip: iterations from the coordinate-wise median"""
+    checks: bool = False
+    """check each part's norm and token weight against the group's before reducing"""
+    norm_factor: float = 10.0
+    """checks: most times the group's lower median norm a part may have"""
+    weight_factor: float = 10.0
+    """checks: most times the group's lower median token weight a part may claim"""
+
+    def __post_init__(self) -> None:
+        _normalise(self, "robust.")
+        try:  # the rule and the checks validate their own values
+            self.to_rule()
+            PartChecks(norm_factor=self.norm_factor, weight_factor=self.weight_factor)
+        except ConfigError as e:
+            raise ConfigError(f"robust: {e}") from e
+
+    def to_rule(self) -> RobustRule:
+        """The owner's combining rule."""
+        return RobustRule(
+            kind=self.rule,  # type: ignore[arg-type]  # checked by RobustRule
+            trim=self.trim,
+            clip_scale=self.clip_scale,
+            iterations=self.iterations,
+        )
+
+    def to_checks(self) -> PartChecks | None:
+        """The part checks, or None when ``checks`` is off."""
+        if not self.checks:
+            return None
+        return PartChecks(norm_factor=self.norm_factor, weight_factor=self.weight_factor)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunManifest(OuterLoop):
     """Everything the peers of one run must agree on; :meth:`run_id` names it.
@@ -436,6 +491,8 @@ class RunManifest(OuterLoop):
     """every network wait of a round"""
     membership: MembershipSettings = field(default_factory=MembershipSettings)
     """who may take part (public, or private with an allowlist or organisation key)"""
+    robust: RobustSettings = field(default_factory=RobustSettings)
+    """how a chunk's owner checks and combines the parts (default: the plain mean)"""
 
     def __post_init__(self) -> None:
         _normalise(self, "", _own_fields())
@@ -488,12 +545,14 @@ class RunManifest(OuterLoop):
         The encoding is msgpack of ``{"manifest_version": MANIFEST_VERSION, "run": {...}}``
         with every table's keys sorted, so it depends on the values alone, not on the order
         or spelling of the TOML they came from. Any change of any field changes it. The
-        ``membership`` table is left out while it is the default (public, nothing revoked),
-        so the run ids of manifests written before it existed stay what they were.
+        ``membership`` and ``robust`` tables are left out while they are the default
+        (public, nothing revoked; the plain mean), so the run ids of manifests written
+        before they existed stay what they were.
         """
         run = _canonical(self)
-        if self.membership == MembershipSettings():
-            del run["membership"]
+        for key, default in _OPTIONAL_TABLES.items():
+            if getattr(self, key) == default:
+                del run[key]
         document = {"manifest_version": MANIFEST_VERSION, "run": run}
         packed = msgpack.packb(document, use_bin_type=True)
         return hashlib.sha256(packed).hexdigest()
@@ -551,7 +610,7 @@ class RunManifest(OuterLoop):
         lines += [f"{key} = {_toml_value(getattr(self, key))}" for key in _top_level_keys()]
         for key in _TABLES:
             table = getattr(self, key)
-            if key == "membership" and table == MembershipSettings():
+            if _OPTIONAL_TABLES.get(key) == table:
                 continue  # the default: a manifest without the table
             lines += ["", f"[{key}]"]
             lines += [f"{g.name} = {_toml_value(getattr(table, g.name))}" for g in fields(table)]
@@ -566,12 +625,18 @@ def short_id(run_id: str) -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-_Table = type[GroupSettings] | type[Timeouts] | type[MembershipSettings]
+_Table = type[GroupSettings] | type[Timeouts] | type[MembershipSettings] | type[RobustSettings]
 _TABLES: dict[str, _Table] = {
     "group": GroupSettings,
     "timeouts": Timeouts,
     "membership": MembershipSettings,
+    "robust": RobustSettings,
 }
+_OPTIONAL_TABLES: dict[str, object] = {
+    "membership": MembershipSettings(),
+    "robust": RobustSettings(),
+}
+"""tables left out of the run id and the TOML while they hold their defaults"""
 
 
 @functools.cache

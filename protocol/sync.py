@@ -73,8 +73,10 @@ from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
 from atoll.protocol.certificate import MAX_MEMBERS, Attestation
+from atoll.protocol.checks import PartChecks
 from atoll.protocol.engine import OuterEngine, SyncRequest
 from atoll.protocol.errors import AtollError, ConfigError
+from atoll.protocol.robust import RobustRule
 
 __all__ = [
     "Action",
@@ -174,6 +176,8 @@ class FragmentSync:
         run_id: str,
         on_change: OnChange | None = None,
         believes: ss.Believes | None = None,
+        robust: RobustRule | None = None,
+        checks: PartChecks | None = None,
     ) -> None:
         if not 0 <= fragment < engine.num_fragments:
             raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
@@ -183,6 +187,8 @@ class FragmentSync:
         self.run_id = run_id
         self._on_change = on_change
         self._believes = believes
+        self._robust = robust if robust is not None else RobustRule()
+        self._checks = checks
         self._attestation: Attestation | None = None
         self._phase: Phase = "idle"
         self._request: SyncRequest | None = None
@@ -286,6 +292,8 @@ class FragmentSync:
             request.numel,
             codec.codec,
             codec.codec_block,
+            robust=self._robust,
+            checks=self._checks,
         )
         return RunRound(spec, request.payload, request.weight)
 

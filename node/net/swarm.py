@@ -153,6 +153,7 @@ class _Node:
             background=background,
             attestations=dht,
             attest=self.attester.submit,
+            robust=manifest.robust,
         )
         self._changes = 0  # commits and imports so far: a record is due after each
         self.training = True

@@ -62,7 +62,7 @@ from atoll.protocol import sync as fs
 from atoll.protocol.certificate import Attestation
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
-from atoll.protocol.manifest import Timeouts
+from atoll.protocol.manifest import RobustSettings, Timeouts
 
 __all__ = ["FaultHook", "Offload", "SyncReport", "Syncer", "answer_bound", "inline"]
 
@@ -124,7 +124,10 @@ class Syncer:
         offload: Offload | None = None,
         attestations: AttestationBoard | None = None,
         attest: Callable[[Attestation], None] | None = None,
+        robust: RobustSettings | None = None,
     ) -> None:
+        self.robust = robust if robust is not None else RobustSettings()
+        """how chunk owners check and combine parts (the manifest's ``[robust]`` table)"""
         self.transport = transport
         self.mailbox = mailbox
         self.board = board
@@ -165,6 +168,8 @@ class Syncer:
             run_id=self.run_id,
             on_change=self.on_change,
             believes=None if beliefs is None else functools.partial(beliefs.believes, p),
+            robust=self.robust.to_rule(),
+            checks=self.robust.to_checks(),
         )
 
     def _mine(self, p: int) -> tuple[int, str]:

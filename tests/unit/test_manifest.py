@@ -15,6 +15,7 @@ from atoll.protocol.manifest import (
     MANIFEST_VERSION,
     GroupSettings,
     MembershipSettings,
+    RobustSettings,
     RunManifest,
     Timeouts,
     short_id,
@@ -91,7 +92,7 @@ def test_defaults_are_valid() -> None:
 
 
 def test_every_field_is_covered_by_the_change_tables() -> None:
-    top = {f.name for f in dataclasses.fields(RunManifest)} - {"group", "timeouts", "membership"}
+    top = {f.name for f in dataclasses.fields(RunManifest)} - {"group", "timeouts", "membership", "robust"}
     assert set(CHANGED_TOP) == top
     assert set(CHANGED_GROUP) == {f.name for f in dataclasses.fields(GroupSettings)}
     assert set(CHANGED_TIMEOUTS) == {f.name for f in dataclasses.fields(Timeouts)}
@@ -381,3 +382,47 @@ def test_membership_normal_form() -> None:
 def test_bad_membership_tables_are_refused(table: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         RunManifest.from_toml(f'name = "x"\n[membership]\n{table}\n')
+
+
+# -- [robust] -------------------------------------------------------------------------------
+def test_a_manifest_without_robust_keeps_its_run_id_and_the_table_changes_it() -> None:
+    plain = RunManifest(name="x")
+    assert plain.run_id() == "aa4754755ebc1f91065ddeccf80bf42e0a52366552c8c432b4a0472e9b22bbcf"
+    explicit = RunManifest.from_toml('name = "x"\n[robust]\nrule = "mean"\n')
+    assert explicit.run_id() == plain.run_id() and "[robust]" not in plain.to_toml()
+    tables = [
+        RobustSettings(rule="trimmed_mean"),
+        RobustSettings(rule="trimmed_mean", trim=0.4),
+        RobustSettings(rule="centered_clip", clip_scale=1.5, iterations=5),
+        RobustSettings(checks=True),
+        RobustSettings(checks=True, norm_factor=4.0, weight_factor=3.0),
+    ]
+    ids = {base().run_id()}
+    for table in tables:
+        m = dataclasses.replace(base(), robust=table)
+        ids.add(m.run_id())
+        again = RunManifest.from_toml(m.to_toml())
+        assert again == m and again.run_id() == m.run_id()
+    assert len(ids) == 1 + len(tables)
+    rule = RobustSettings(rule="centered_clip", clip_scale=1.5).to_rule()
+    assert rule.kind == "centered_clip" and rule.clip_scale == 1.5
+    assert RobustSettings().to_checks() is None
+    checks = RobustSettings(checks=True, norm_factor=4.0).to_checks()
+    assert checks is not None and checks.norm_factor == 4.0
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ('rule = "median"', "robust: "),
+        ("trim = 0.9", "robust: "),
+        ("clip_scale = -1.0", "robust: "),
+        ("iterations = 0", "robust: "),
+        ("norm_factor = 0.5", "robust: "),
+        ('checks = "yes"', "robust.checks"),
+        ("rules = 1", "did you mean 'robust.rule'"),
+    ],
+)
+def test_bad_robust_tables_are_refused(table: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunManifest.from_toml(f'name = "x"\n[robust]\n{table}\n')

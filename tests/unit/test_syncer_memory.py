@@ -34,7 +34,7 @@ from atoll.protocol import statesync as ss
 from atoll.protocol.certificate import Attestation, CertifiedStates, seal_attestation
 from atoll.protocol.engine import EngineConfig, OuterEngine
 from atoll.protocol.liveness import Liveness
-from atoll.protocol.manifest import GroupSettings, Timeouts
+from atoll.protocol.manifest import GroupSettings, RobustSettings, Timeouts
 from atoll.protocol.schedule import Schedule
 from atoll.security.identity import Identity, generate
 
@@ -127,6 +127,7 @@ async def _node(
     initial: np.ndarray,
     codec: str = "e3m0",
     group: GroupSettings = GROUP,
+    robust: RobustSettings | None = None,
 ) -> Node:
     engine = OuterEngine(_config(codec), Schedule(4, 1), [initial])
     transport = net.transport(peer)
@@ -172,6 +173,7 @@ async def _node(
         offload=inline,  # a worker thread would let the fake clock jump meanwhile
         attestations=board,
         attest=attester.submit,
+        robust=robust,
     )
     holder.append(syncer)
     node.syncer = syncer
@@ -181,13 +183,21 @@ async def _node(
 
 
 async def _swarm(
-    net: MemoryNetwork, services: trio.Nursery, n: int, *, numel: int = N, codec: str = "e3m0"
+    net: MemoryNetwork,
+    services: trio.Nursery,
+    n: int,
+    *,
+    numel: int = N,
+    codec: str = "e3m0",
+    robust: RobustSettings | None = None,
 ) -> tuple[Directory, list[Node]]:
     """``n`` nodes ``peer-0``... holding the same zero initial copy of ``numel`` values."""
     directory = Directory(net)
     init = np.zeros(numel, np.float32)
     nodes = [
-        await _node(net, directory, f"peer-{i}", services, initial=init, codec=codec)
+        await _node(
+            net, directory, f"peer-{i}", services, initial=init, codec=codec, robust=robust
+        )
         for i in range(n)
     ]
     return directory, nodes
@@ -409,6 +419,48 @@ def test_a_node_ahead_of_the_others_waits_for_them_and_rounds_with_them() -> Non
                 assert len(node.report.done.members) == 3
             assert nodes[0].report is not None
             assert nodes[0].report.seconds > TIMEOUTS.matchmaking_s  # it waited past it
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+@pytest.mark.parametrize("rule", ["mean", "trimmed_mean", "centered_clip"])
+def test_the_manifests_robust_rule_holds_off_a_member_that_scales_its_update(rule: str) -> None:
+    """One of 4 members sends its update scaled by 10^6: the plain mean takes it in, the
+    robust rules of the ``[robust]`` table keep the step at the honest members' scale;
+    every member commits the same bytes either way."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            robust = RobustSettings(rule=rule)
+            _, nodes = await _swarm(net, services, 4, robust=robust)
+            start = nodes[0].state()
+            locals_ = _locals(4)
+            locals_[3] = locals_[3] * np.float32(1e6)
+            await _sync_all(nodes, locals_, 3)
+            assert len(_check_atomic(nodes, start)) == 4
+            moved = float(np.max(np.abs(nodes[0].engine.global_params(0))))
+            if rule == "mean":
+                assert moved > 1e4, moved  # the scaled update went into the step
+            else:
+                assert moved < 20.0, moved  # about the honest members' scale
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_the_manifests_part_checks_fail_a_round_with_an_oversized_part_and_name_it() -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            robust = RobustSettings(checks=True)
+            _, nodes = await _swarm(net, services, 4, robust=robust)
+            start = nodes[0].state()
+            locals_ = _locals(4)
+            locals_[3] = locals_[3] * np.float32(1e6)
+            await _sync_all(nodes, locals_, 3)
+            assert _check_atomic(nodes, start) == []  # rolled back everywhere
+            reasons = [n.report.done.reason for n in nodes[:3] if n.report is not None]
+            assert any("peer-3" in r for r in reasons), reasons
             services.cancel_scope.cancel()
 
     _run(main)
