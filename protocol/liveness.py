@@ -15,9 +15,9 @@ share (one timed-out request), not every later request of the swarm:
   matchmaking does not pick it as a leader.
 - Once the hold has passed, requests may go to the peer again; the node also probes its
   silent peers in the background every few seconds, hold or not (one bounded dial each).
-  A peer comes back as soon as it answers, or as soon as a message of its own arrives. Until then it stays *silent*
-  (:meth:`Liveness.silent`): requests may reach it again, but it does not count toward
-  group sizes and majorities.
+  A peer comes back as soon as it answers, or as soon as a message of its own arrives.
+  Until then it stays *silent* (:meth:`Liveness.silent`): requests may reach it again,
+  but it does not count toward group sizes and majorities.
 
 One object is shared by the DHT and the round drivers of a node. Time is passed in (any
 monotonic clock, seconds); nothing here reads a clock or does IO.

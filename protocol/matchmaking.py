@@ -79,13 +79,14 @@ when the group forms or disbands, and says so). The trainer meanwhile blocks at 
 round's apply step, which brings an early node back in step with the others.
 
 Termination. Every wait is bounded by ``timeout`` (:attr:`Timeouts.matchmaking_s`) plus
-``patience`` when extended: at the deadline a leader with a quorum forms, a leader without one disbands
-its followers, and everyone else gives up: :class:`Alone` means "train on, retry at the
-next slot" (the engine's ``skip``). Redirect hints strictly lower the rank at each hop, and
-a peer follows at most :data:`MAX_REDIRECTS` of them per slot. Held requests also point
-strictly down in rank, so holds cannot form a cycle. A follower whose leader disbands it
-for lack of a quorum looks for another leader while its own time lasts; one whose leader
-is lost gives up at once, so that it never sits in the lists of two live leaders.
+``patience`` when extended: at the deadline a leader with a quorum forms, a leader
+without one disbands its followers, and everyone else gives up: :class:`Alone` means
+"train on, retry at the next slot" (the engine's ``skip``). Redirect hints strictly
+lower the rank at each hop, and a peer follows at most :data:`MAX_REDIRECTS` of them per
+slot. Held requests also point strictly down in rank, so holds cannot form a cycle. A
+follower whose leader disbands it for lack of a quorum looks for another leader while
+its own time lasts; one whose leader is lost gives up at once, so that it never sits in
+the lists of two live leaders.
 
 ``declared_at`` and ``weight`` are informative (logs, future staleness rules) and never
 decide anything. The machine trusts the ``sender`` field of messages: the driver checks it
@@ -371,7 +372,8 @@ class Matchmaker:
     key (:meth:`receive`), lost peers (:meth:`peer_lost`), the peers expected at the slot
     (:meth:`expect`) and the time (:meth:`tick` at :attr:`next_deadline`); carry out the
     :class:`Send` actions; stop at :class:`Formed` or :class:`Alone`, of which exactly one
-    is returned, by ``now >= start + timeout + patience`` at the latest. The module docstring states the rule and what members agree on.
+    is returned, by ``now >= start + timeout + patience`` at the latest. The module
+    docstring states the rule and what members agree on.
 
     Args:
         me: this peer's own declaration (its key decides who it may group with).
