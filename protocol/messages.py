@@ -22,8 +22,8 @@ metadata::
     payload: bytes = field(metadata={"max_len": 1 << 20})
 
 - ``max_len``: most characters of a ``str``, bytes of a ``bytes``, items of a tuple
-  (``str`` fields default to :data:`DEFAULT_STR_MAX_LEN`; bytes and tuples are bounded by
-  the frame size alone);
+  (``str`` fields default to :data:`DEFAULT_STR_MAX_LEN`, tuples to
+  :data:`DEFAULT_ITEMS_MAX_LEN`; bytes are bounded by the frame size alone);
 - ``item_max_len``: the same limit for the ``str``/``bytes`` items of a tuple;
 - ``allow_nonfinite``: accept NaN and infinities in a ``float`` field.
 
@@ -31,6 +31,13 @@ Fields added to a message later take a default and come last: the encoder leaves
 trailing fields that hold their default, and the decoder fills in the defaults of
 trailing fields a sender left off, so peers that know the field and peers that do not
 still understand each other (:class:`Hello`'s ``certificate``).
+
+Before msgpack builds a single object, the decoder walks the message's headers against
+the schema of its kind: only the envelope, the field list and the tuple fields may be
+arrays, each no longer than the schema allows, and no map or extension type appears
+anywhere. So a hostile frame builds at most what a valid message of its kind could hold;
+without the walk, a 64 MiB frame of empty maps (one byte each) built some 5 GB of Python
+objects before its first check.
 
 :func:`encode_message` runs the same checks, so a peer cannot send what its peers would
 refuse. Large ``bytes`` fields are copied once on decode (out of the received buffer into
@@ -54,6 +61,7 @@ import msgpack
 from atoll.protocol.errors import CodecError, ConfigError
 
 __all__ = [
+    "DEFAULT_ITEMS_MAX_LEN",
     "DEFAULT_STR_MAX_LEN",
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
@@ -76,6 +84,9 @@ MAX_FRAME_BYTES: int = 64 * 1024 * 1024
 
 DEFAULT_STR_MAX_LEN: int = 4096
 """Most characters of a ``str`` field whose metadata gives no ``max_len``."""
+
+DEFAULT_ITEMS_MAX_LEN: int = 4096
+"""Most items of a tuple field whose metadata gives no ``max_len``."""
 
 T = TypeVar("T")
 
@@ -198,6 +209,8 @@ def _compile(annotation: object, meta: Mapping[str, Any], where: str, *, item: b
         if len(args) != 2 or args[1] is not Ellipsis:
             raise TypeError(f"{where}: only tuple[X, ...] is supported, not {annotation}")
         max_items = _limit(meta, "max_len", where)
+        if max_items is None:
+            max_items = DEFAULT_ITEMS_MAX_LEN
         item_meta = {
             "max_len": meta.get("item_max_len"),
             "allow_nonfinite": meta.get("allow_nonfinite", False),
@@ -217,6 +230,36 @@ def _compile(annotation: object, meta: Mapping[str, Any], where: str, *, item: b
     raise TypeError(f"{where}: unsupported field type {annotation!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What a field may look like on the wire before its value is built."""
+
+    expected: str
+    """the type a check names as expected: ``int``, ``str``, ``tuple``, ..."""
+    items: int
+    """most items of a tuple field; -1 for a field that is no tuple"""
+    item_expected: str = ""
+    """the type a tuple's items are, for the same messages"""
+
+
+def _bare(annotation: object) -> object:
+    """``annotation`` without its ``| None``."""
+    if typing.get_origin(annotation) in (types.UnionType, typing.Union):
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _shape(annotation: object, meta: Mapping[str, Any]) -> _Shape:
+    """The wire shape of a field whose annotation :func:`_compile` has accepted."""
+    bare = _bare(annotation)
+    if typing.get_origin(bare) is tuple:
+        limit = meta.get("max_len")
+        items = DEFAULT_ITEMS_MAX_LEN if limit is None else int(limit)
+        item = _bare(typing.get_args(bare)[0])
+        return _Shape("tuple", items, getattr(item, "__name__", str(item)))
+    return _Shape(getattr(bare, "__name__", str(bare)), -1)
+
+
 # -- the registry ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _Schema:
@@ -226,6 +269,9 @@ class _Schema:
     checks: tuple[_Check, ...]
     defaults: tuple[object, ...]
     """the defaults of the trailing fields that have one, in order"""
+    shapes: tuple[_Shape, ...]
+    max_array: int
+    """the longest array a message of this kind holds (envelope, fields or a tuple)"""
 
 
 _BY_KIND: dict[int, _Schema] = {}
@@ -260,7 +306,7 @@ def wire_message(kind: int) -> Callable[[type[T]], type[T]]:
             hints = typing.get_type_hints(cls)
         except Exception as e:  # a NameError, or a broken annotation string
             raise TypeError(f"{name}: cannot resolve the field annotations: {e}") from e
-        names, checks, defaults = [], [], []
+        names, checks, defaults, shapes = [], [], [], []
         for f in dataclasses.fields(cls):
             where = f"{name}.{f.name}"
             if not f.init:
@@ -270,13 +316,17 @@ def wire_message(kind: int) -> Callable[[type[T]], type[T]]:
                 raise TypeError(f"{where}: unknown metadata {sorted(unknown)}")
             names.append(f.name)
             checks.append(_compile(hints[f.name], f.metadata, where, item=False))
+            shapes.append(_shape(hints[f.name], f.metadata))
             if f.default is not dataclasses.MISSING:
                 defaults.append(f.default)
             elif f.default_factory is not dataclasses.MISSING:
                 raise TypeError(f"{where}: a message field's default must be a plain value")
             elif defaults:
                 raise TypeError(f"{where}: a field without a default follows one with")
-        schema = _Schema(kind, cls, tuple(names), tuple(checks), tuple(defaults))
+        max_array = max([3, len(names), *(shape.items for shape in shapes)])
+        schema = _Schema(
+            kind, cls, tuple(names), tuple(checks), tuple(defaults), tuple(shapes), max_array
+        )
         _BY_KIND[kind] = schema
         _BY_CLASS[cls] = schema
         return cls
@@ -360,45 +410,179 @@ def decode_message(data: bytes | memoryview, *, max_bytes: int = MAX_FRAME_BYTES
 
     ``data`` must hold exactly one message (trailing bytes are refused). A ``memoryview``
     is read in place: the only copy of a large ``bytes`` field is the one into the
-    message itself.
+    message itself. Its headers are walked against the schema first (:func:`_walk`), so
+    what msgpack then builds is bounded by the schema, not by what the bytes declare.
     """
     try:
-        size = memoryview(data).nbytes
+        view = memoryview(data)
     except TypeError:
         raise CodecError(f"a message is bytes, not {type(data).__name__}") from None
+    size = view.nbytes
     if size > max_bytes:
         raise CodecError(f"message of {size} bytes is over the limit of {max_bytes} bytes")
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    schema = _walk(view)
     try:
-        envelope = msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)
+        envelope = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=False,
+            strict_map_key=True,
+            max_map_len=0,
+            max_ext_len=0,
+            max_array_len=schema.max_array,
+            max_str_len=size,
+            max_bin_len=size,
+        )
     except Exception as e:  # hostile bytes may raise anything msgpack has; none escapes
         raise CodecError(f"message is not valid msgpack: {type(e).__name__}: {e}") from None
-    if not isinstance(envelope, tuple) or len(envelope) != 3:
-        raise CodecError("message is not a [version, kind, fields] array")
-    version, kind, values = envelope
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise CodecError(f"message version is {_type_name(version)}, not int")
-    if version != PROTOCOL_VERSION:
-        raise CodecError(
-            f"message has protocol version {version}, this peer speaks version {PROTOCOL_VERSION}"
-        )
-    if isinstance(kind, bool) or not isinstance(kind, int):
-        raise CodecError(f"message kind is {_type_name(kind)}, not int")
-    schema = _BY_KIND.get(kind)
-    if schema is None:
-        raise CodecError(f"unknown message kind {kind}")
+    values = envelope[2]
     name = schema.cls.__qualname__
-    if not isinstance(values, tuple):
-        raise CodecError(f"{name}: fields are {_type_name(values)}, not an array")
-    total, optional = len(schema.names), len(schema.names) - len(schema.defaults)
-    if not optional <= len(values) <= total:
-        expected = f"{optional} to {total}" if schema.defaults else f"{total}"
-        raise CodecError(f"{name}: {len(values)} fields, expected {expected}")
+    optional = len(schema.names) - len(schema.defaults)
     values = (*values, *schema.defaults[len(values) - optional :])
     checked = _checked(schema, values)
     try:
         return schema.cls(*checked)
     except (ValueError, TypeError) as e:  # the message's own __post_init__ refused it
         raise CodecError(f"{name}: {e}") from e
+
+
+# -- the walk before the build ------------------------------------------------------------
+def _walk(view: memoryview) -> _Schema:
+    """Check the msgpack headers of a message against its kind's schema, building nothing
+    but the version and the kind; return the schema.
+
+    Every array is counted before its items are looked at, and every other value is only
+    skipped by its length, so a frame declaring millions of items costs a few header
+    reads. What passes holds arrays only where the schema has them (the envelope, the
+    field list, tuple fields of scalars) and no maps or extension types, so msgpack builds
+    no more than the schema allows.
+    """
+    end = len(view)
+    kind_name, count, pos = _head(view, 0)
+    if kind_name != "tuple" or count != 3:
+        raise CodecError("message is not a [version, kind, fields] array")
+    version, pos = _int_value(view, pos, "version")
+    if version != PROTOCOL_VERSION:
+        raise CodecError(
+            f"message has protocol version {version}, this peer speaks version {PROTOCOL_VERSION}"
+        )
+    kind, pos = _int_value(view, pos, "kind")
+    schema = _BY_KIND.get(kind)
+    if schema is None:
+        raise CodecError(f"unknown message kind {kind}")
+    name = schema.cls.__qualname__
+    got, count, pos = _head(view, pos)
+    if got != "tuple":
+        if got not in _CONTAINERS:
+            _skip(pos, count, end)  # a message cut short says so first
+        raise CodecError(f"{name}: fields are {got}, not an array")
+    total, optional = len(schema.names), len(schema.names) - len(schema.defaults)
+    if not optional <= count <= total:
+        expected = f"{optional} to {total}" if schema.defaults else f"{total}"
+        raise CodecError(f"{name}: {count} fields, expected {expected}")
+    for field_name, shape in zip(schema.names, schema.shapes[:count], strict=False):
+        got, length, pos = _head(view, pos)
+        where = f"{name}.{field_name}"
+        if got == "tuple" and shape.items >= 0:
+            if length > shape.items:
+                raise CodecError(f"{where}: {length} items, more than max_len {shape.items}")
+            for i in range(length):
+                got, length, pos = _head(view, pos)
+                if got in _CONTAINERS:
+                    raise CodecError(f"{where}[{i}]: expected {shape.item_expected}, got {got}")
+                pos = _skip(pos, length, end)
+        elif got in _CONTAINERS:
+            raise CodecError(f"{where}: expected {shape.expected}, got {got}")
+        else:
+            pos = _skip(pos, length, end)
+    if pos != end:
+        raise CodecError(f"message is not valid msgpack: ExtraData: {end - pos} bytes after it")
+    return schema
+
+
+_CONTAINERS = frozenset({"tuple", "dict", "ExtType"})
+"""what a msgpack array, map and extension value decode to here"""
+
+_TRUNCATED = "message is not valid msgpack: it ends inside a value"
+
+# msgpack's one-byte headers that carry no length: (type name, bytes of payload)
+_FIXED: dict[int, tuple[str, int]] = {
+    0xC0: ("None", 0),
+    0xC2: ("bool", 0),
+    0xC3: ("bool", 0),
+    0xCA: ("float", 4),
+    0xCB: ("float", 8),
+    **{b: ("int", 1 << (b - 0xCC)) for b in range(0xCC, 0xD0)},  # uint 8..64
+    **{b: ("int", 1 << (b - 0xD0)) for b in range(0xD0, 0xD4)},  # int 8..64
+    **{b: ("ExtType", 1 + (1 << (b - 0xD4))) for b in range(0xD4, 0xD9)},  # fixext
+}
+# headers followed by a big-endian length: (type name, bytes of that length)
+_SIZED: dict[int, tuple[str, int]] = {
+    0xC4: ("bytes", 1),
+    0xC5: ("bytes", 2),
+    0xC6: ("bytes", 4),
+    0xC7: ("ExtType", 1),
+    0xC8: ("ExtType", 2),
+    0xC9: ("ExtType", 4),
+    0xD9: ("str", 1),
+    0xDA: ("str", 2),
+    0xDB: ("str", 4),
+    0xDC: ("tuple", 2),
+    0xDD: ("tuple", 4),
+    0xDE: ("dict", 2),
+    0xDF: ("dict", 4),
+}
+
+
+def _head(view: memoryview, pos: int) -> tuple[str, int, int]:
+    """The header of the value at ``pos``: its type name, its item count (an array or a
+    map) or its payload's length in bytes (anything else), and where the header ends."""
+    if pos >= len(view):
+        raise CodecError(_TRUNCATED)
+    byte = view[pos]
+    pos += 1
+    if byte <= 0x7F or byte >= 0xE0:
+        return "int", 0, pos
+    if byte <= 0x8F:
+        return "dict", byte & 0x0F, pos
+    if byte <= 0x9F:
+        return "tuple", byte & 0x0F, pos
+    if byte <= 0xBF:
+        return "str", byte & 0x1F, pos
+    fixed = _FIXED.get(byte)
+    if fixed is not None:
+        return fixed[0], fixed[1], pos
+    sized = _SIZED.get(byte)
+    if sized is None:  # 0xc1, which msgpack never uses
+        raise CodecError(f"message is not valid msgpack: byte 0x{byte:02x} at {pos - 1}")
+    type_name, width = sized
+    if pos + width > len(view):
+        raise CodecError(_TRUNCATED)
+    length = int.from_bytes(view[pos : pos + width], "big")
+    if type_name == "ExtType":
+        length += 1  # the extension's type byte
+    return type_name, length, pos + width
+
+
+def _skip(pos: int, length: int, end: int) -> int:
+    """Where a scalar whose payload of ``length`` bytes starts at ``pos`` ends."""
+    if pos + length > end:
+        raise CodecError(_TRUNCATED)
+    return pos + length
+
+
+def _int_value(view: memoryview, pos: int, what: str) -> tuple[int, int]:
+    """The integer at ``pos`` (the envelope's version or kind) and where it ends."""
+    got, length, after = _head(view, pos)
+    if got not in _CONTAINERS:
+        after = _skip(after, length, len(view))  # a message cut short says so first
+    if got != "int":
+        raise CodecError(f"message {what} is {got}, not int")
+    value = msgpack.unpackb(view[pos:after])
+    assert isinstance(value, int)  # an int header decodes to an int
+    return value, after
 
 
 # -- framing --------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from atoll.protocol.errors import CodecError, ConfigError
 from atoll.protocol.messages import (
+    DEFAULT_ITEMS_MAX_LEN,
     DEFAULT_STR_MAX_LEN,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -313,6 +314,58 @@ def test_pieces_refuse_what_encode_refuses() -> None:
         encode_message(Hello(1, "a" * 64, "p", "a")),
         b"",
     )
+
+
+# -- bombs inside a well-formed message ----------------------------------------------------
+def _every_with(index: int, value: bytes) -> bytes:
+    """Every's wire bytes with the packed field at ``index`` replaced by ``value``."""
+    fields = msgpack.unpackb(encode_message(every()))[2]
+    packed = [msgpack.packb(v, use_bin_type=True) for v in fields]
+    packed[index] = value
+    return b"\x93\x01\xcc\xfa" + bytes([0x90 | len(packed)]) + b"".join(packed)
+
+
+_N = 1 << 20
+_INTS = list(Every.__dataclass_fields__).index("ints")
+_INT = list(Every.__dataclass_fields__).index("i")
+_FLOATS = list(Every.__dataclass_fields__).index("floats")
+
+
+@pytest.mark.parametrize(
+    ("index", "value", "expected"),
+    [
+        # a tuple field declaring far more items than its max_len (8), with them behind it
+        (_INTS, b"\xdd" + _N.to_bytes(4, "big") + b"\xc0" * _N, r"Every\.ints: 1048576 items"),
+        # a tuple field without max_len is bounded by DEFAULT_ITEMS_MAX_LEN
+        (_FLOATS, b"\xdd" + _N.to_bytes(4, "big") + b"\x00" * _N, r"Every\.floats: 1048576"),
+        # arrays or maps where a tuple's items belong
+        (_INTS, b"\x91\xdd" + _N.to_bytes(4, "big") + b"\xc0" * _N, r"ints\[0\]: .*got tuple"),
+        (_INTS, b"\x91\xdf" + _N.to_bytes(4, "big") + b"\x80" * _N, r"ints\[0\]: .*got dict"),
+        # an array, a map or an extension where a scalar belongs
+        (_INT, b"\xdd" + _N.to_bytes(4, "big") + b"\x80" * _N, r"Every\.i: .*got tuple"),
+        (_INT, b"\xdf" + _N.to_bytes(4, "big") + b"\x80" * _N, r"Every\.i: .*got dict"),
+        (_INT, b"\xc9" + _N.to_bytes(4, "big") + b"\x01" + b"\x00" * _N, r"Every\.i: .*ExtType"),
+    ],
+)
+def test_bombs_in_a_field_are_refused_before_they_are_built(
+    index: int, value: bytes, expected: str
+) -> None:
+    data = _every_with(index, value)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match=expected):
+            decode_message(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, f"refusing a {len(data)} byte bomb peaked at {peak} bytes"
+
+
+def test_a_tuple_at_its_max_len_still_decodes() -> None:
+    msg = every(ints=tuple(range(8)), floats=(0.5,) * DEFAULT_ITEMS_MAX_LEN)
+    assert decode_message(encode_message(msg)) == msg
+    with pytest.raises(CodecError, match=f"{DEFAULT_ITEMS_MAX_LEN + 1} items"):
+        encode_message(every(floats=(0.5,) * (DEFAULT_ITEMS_MAX_LEN + 1)))
 
 
 # -- registration ---------------------------------------------------------------------------
