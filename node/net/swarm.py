@@ -50,6 +50,7 @@ from atoll.dht.records import PeerRecord
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
 from atoll.node.net.bridge import Settled, SharedFragments, SyncOutcome, post_status, serve
+from atoll.node.net.certwatch import watch_certificates
 from atoll.node.net.faults import parse_fault
 from atoll.node.net.host import AGENT, AtollHost, HostConfig, open_host
 from atoll.node.net.join import JoinFailed, join_swarm
@@ -74,7 +75,8 @@ logger = logging.getLogger(__name__)
 
 _STATUS_EVERY_S = 1.0
 _PEERS_EVERY_S = 5.0  # how often the live peers of the run are read from the DHT
-_PROBE_EVERY_S = 2.0  # how often silent peers past their hold are probed
+_PROBE_EVERY_S = 2.0  # how often silent peers are probed
+_CERTIFY_EVERY_S = 2.0  # how often the certificates of unbelieved declared states are sought
 _RATE_EVERY_S = 5.0  # tokens/s is measured over this window
 
 
@@ -443,6 +445,7 @@ async def swarm_worker(
         nursery.start_soon(node.publisher.run)
         nursery.start_soon(node.peers.watch, _PEERS_EVERY_S)
         nursery.start_soon(node.peers.watch_silent, node.probe, _PROBE_EVERY_S)
+        nursery.start_soon(watch_certificates, node.syncer, len(shared), _CERTIFY_EVERY_S)
         nursery.start_soon(node.report)
         await serve(inbox, outbox, node.handle, node.settle, node.note_step)
         node.post()

@@ -23,6 +23,7 @@ import trio.testing
 
 from atoll.dht.records import AttestationRecord, PeerRecord
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
+from atoll.node.net.certwatch import watch_certificates
 from atoll.node.net.memory import MemoryNetwork
 from atoll.node.net.peers import PeerTracker
 from atoll.node.net.publisher import AttestationPublisher
@@ -195,9 +196,7 @@ async def _swarm(
     directory = Directory(net)
     init = np.zeros(numel, np.float32)
     nodes = [
-        await _node(
-            net, directory, f"peer-{i}", services, initial=init, codec=codec, robust=robust
-        )
+        await _node(net, directory, f"peer-{i}", services, initial=init, codec=codec, robust=robust)
         for i in range(n)
     ]
     return directory, nodes
@@ -751,6 +750,30 @@ def test_a_joiner_rebases_onto_a_certified_state_only() -> None:
             await trio.sleep(10.0)  # past the retry time of the failed lookup
             done = await late.syncer.catch_up(0)
             assert done.rebased and late.state() == ahead
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_the_certificate_watcher_believes_a_peers_state_before_the_fragment_syncs() -> None:
+    """A state committed by others is believed within one watch period of its
+    certificate appearing, without a sync of this node (a healed split's other side)."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 3)
+            await _sync_all(nodes, _locals(3), 3)
+            ahead = nodes[0].state()
+            await trio.sleep(1.0)  # the members' attestations are published
+            late = await _node(net, directory, "peer-late", services, initial=np.zeros(N))
+            await late.syncer.peers.refresh()
+            beliefs = late.syncer.peers.beliefs
+            assert beliefs is not None and not beliefs.believes(0, *ahead)
+            services.start_soon(watch_certificates, late.syncer, 1, 2.0)
+            with trio.fail_after(2.5):
+                while not beliefs.believes(0, *ahead):
+                    await trio.sleep(0.1)
+            assert late.state()[0] == 0  # believed, not yet copied: the sync does that
             services.cancel_scope.cancel()
 
     _run(main)

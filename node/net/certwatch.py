@@ -1,0 +1,44 @@
+"""Certificates looked up ahead of the syncs that need them.
+
+A node believes a peer's state of a fragment only with its certificate
+(:mod:`atoll.protocol.certificate`), and :meth:`~atoll.node.net.syncer.Syncer.certify`
+looks certificates up when the fragment syncs. After a split heals, the two sides hold
+states the other side has never seen certified, and a lookup made only at each
+fragment's sync costs up to a sync period before the rebase rule can even compare the
+sides' copies. :func:`watch_certificates` makes the same lookups in the background every
+few seconds, for every fragment: by the time a fragment syncs, the states its peers
+declare are already believed (or known to have no certificate). A swarm whose states are
+all believed looks nothing up (``certify`` asks only for unbelieved states, a few at a
+time, and waits before asking again after a lookup that found nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import trio
+
+from atoll.protocol.errors import AtollError
+
+__all__ = ["Certifier", "watch_certificates"]
+
+logger = logging.getLogger(__name__)
+
+
+class Certifier(Protocol):
+    """What the watcher needs: :meth:`Syncer.certify`."""
+
+    async def certify(self, p: int) -> tuple[int, str]: ...
+
+
+async def watch_certificates(certifier: Certifier, fragments: int, every_s: float) -> None:
+    """Every ``every_s`` seconds, look up the certificates of the states the peers declare
+    for each of the ``fragments`` that this node does not believe yet; forever."""
+    while True:
+        for p in range(fragments):
+            try:
+                await certifier.certify(p)
+            except AtollError as e:  # a lookup that failed is retried at the next turn
+                logger.debug("fragment %d: certificate lookup: %s", p, e)
+        await trio.sleep(every_s)
