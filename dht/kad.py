@@ -181,6 +181,8 @@ from atoll.dht.keys import (
     attest_key,
     attest_topic,
     check_run_id,
+    evidence_key,
+    evidence_topic,
     parse_key,
     peer_key,
     peers_topic,
@@ -192,6 +194,7 @@ from atoll.dht.quorum import Reply, Tally
 from atoll.dht.records import (
     DEFAULT_MAX_SKEW_S,
     AttestationRecord,
+    EvidenceRecord,
     PeerRecord,
     ReadyRecord,
     Record,
@@ -770,6 +773,52 @@ class AtollDHT:
             key_of=lambda run_id, peer: attest_key(run_id, fragment, version, peer),
             what=f"attestations of fragment {fragment} version {version}",
         )
+
+    async def announce_evidence(self, record: EvidenceRecord) -> None:
+        """Publish ``record`` (:meth:`put`) and announce this node as a provider of the
+        run's evidence topic, so that :meth:`find_evidence` finds it.
+
+        Raises as :meth:`announce_ready` does.
+        """
+        record = self._own_record(record, EvidenceRecord, "announce_evidence")
+        await self.put(record)
+        await self._provide(evidence_topic(record.run_id), "evidence of forged claims")
+
+    async def find_evidence(self, *, limit: int = 32) -> list[EvidenceRecord]:
+        """The valid EvidenceRecords of the peers that published evidence in this run (at
+        most ``limit`` providers; the claims inside are the reader's to open). Sorted by
+        peer id.
+
+        Raises as :meth:`find_ready` does.
+        """
+        return await self._find(
+            EvidenceRecord,
+            "find_evidence",
+            limit,
+            topic_of=evidence_topic,
+            key_of=evidence_key,
+            what="evidence of forged claims",
+        )
+
+    async def sealed_peer_record(self, peer: str) -> bytes | None:
+        """The sealed value of ``peer``'s newest valid PeerRecord as stored (its own
+        signature on it, so it can be handed on as evidence): from this node's store,
+        else asked of ``peer`` itself, else of the peers closest to its key. None when
+        none is found."""
+        key = peer_key(self._own_run("read records"), peer)
+        key_bytes = key.encode("utf-8")
+        held = libp2p_internals.local_value(self._kad, key_bytes)
+        if held is not None and self._valid(key, held, "this node's store") is not None:
+            return bytes(held)
+        candidates = [ID.from_base58(peer)]
+        with contextlib.suppress(RetryableError):
+            candidates += [p for p in await self._closest(key) if p not in candidates]
+        for holder in candidates[:4]:
+            with trio.move_on_after(self._timeout_s):
+                got = await self._value_of(holder, key_bytes)
+                if got is not None and self._valid(key, got, f"peer {holder}") is not None:
+                    return bytes(got)
+        return None
 
     async def announce_peer(self, record: PeerRecord) -> None:
         """Publish ``record`` (:meth:`put`) and announce this node as a provider of its

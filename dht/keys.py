@@ -10,6 +10,7 @@ atoll key to the one validator registered for the namespace ``atoll``. Two famil
     /atoll/v1/<run_tag>/ready/<fragment>/<slot>/<peer_id>   a ReadyRecord
     /atoll/v1/<run_tag>/state/<fragment>/<peer_id>          a StateRecord
     /atoll/v1/<run_tag>/cert/<fragment>/<version>/<peer_id> an AttestationRecord
+    /atoll/v1/<run_tag>/evidence/<peer_id>                  an EvidenceRecord
 
 *Topic keys* are rendezvous points that many peers announce themselves under as libp2p
 *providers* (``ADD_PROVIDER``/``GET_PROVIDERS``); a reader lists the providers of a topic
@@ -19,6 +20,7 @@ and then fetches each one's record key::
     /atoll/v1/<run_tag>/ready/<fragment>/<slot> peers ready for that sync
     /atoll/v1/<run_tag>/state/<fragment>       peers that can serve that fragment's state
     /atoll/v1/<run_tag>/cert/<fragment>/<version> peers that attested that version
+    /atoll/v1/<run_tag>/evidence               peers that published evidence of a forgery
 
 Why the peer id is part of every record key: a Kademlia key holds a single value (the
 validator's ``select`` keeps one), so a key shared by all ready peers of a slot would keep
@@ -57,6 +59,7 @@ __all__ = [
     "RUN_ID_LEN",
     "RUN_TAG_LEN",
     "AttestKey",
+    "EvidenceKey",
     "PeerKey",
     "ReadyKey",
     "RecordKey",
@@ -65,6 +68,8 @@ __all__ = [
     "attest_topic",
     "check_peer_id",
     "check_run_id",
+    "evidence_key",
+    "evidence_topic",
     "parse_key",
     "peer_key",
     "peers_topic",
@@ -210,7 +215,20 @@ class AttestKey:
         return f"{KEY_PREFIX}{self.run_tag}/cert/{self.fragment}/{self.version}/{self.peer_id}"
 
 
-RecordKey: TypeAlias = PeerKey | ReadyKey | StateKey | AttestKey
+@dataclass(frozen=True, slots=True)
+class EvidenceKey:
+    """The key of a peer's :class:`~atoll.dht.records.EvidenceRecord` (the peer is the
+    accuser, who publishes it)."""
+
+    run_tag: str
+    peer_id: str
+
+    def key(self) -> str:
+        """The key text."""
+        return f"{KEY_PREFIX}{self.run_tag}/evidence/{self.peer_id}"
+
+
+RecordKey: TypeAlias = PeerKey | ReadyKey | StateKey | AttestKey | EvidenceKey
 """A parsed record key."""
 
 
@@ -246,6 +264,11 @@ def attest_key(run_id: str, fragment: int, version: int, peer_id: str) -> str:
     ).key()
 
 
+def evidence_key(run_id: str, peer_id: str) -> str:
+    """Where ``peer_id`` publishes its evidence of other peers' forged claims."""
+    return EvidenceKey(run_tag(run_id), check_peer_id(peer_id)).key()
+
+
 def parse_key(key: object) -> RecordKey:
     """The record key spelled by ``key``; anything else (a topic key too) is CodecError.
 
@@ -261,15 +284,17 @@ def parse_key(key: object) -> RecordKey:
     tag, kind, rest = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
     if _RUN_TAG.fullmatch(tag) is None:
         raise CodecError(f"DHT key {_show(key)}: the run tag is not {RUN_TAG_LEN} hex digits")
-    shapes = {"peer": 1, "ready": 3, "state": 2, "cert": 3}
+    shapes = {"peer": 1, "ready": 3, "state": 2, "cert": 3, "evidence": 1}
     if kind not in shapes or len(rest) != shapes[kind]:
         raise CodecError(
             f"DHT key {_show(key)} is not a record key (peer/<id>, ready/<fragment>/<slot>/<id>"
-            ", state/<fragment>/<id> or cert/<fragment>/<version>/<id>)"
+            ", state/<fragment>/<id>, cert/<fragment>/<version>/<id> or evidence/<id>)"
         )
     peer_id = check_peer_id(rest[-1])
     if kind == "peer":
         return PeerKey(tag, peer_id)
+    if kind == "evidence":
+        return EvidenceKey(tag, peer_id)
     fragment = _parse_index("fragment", rest[0], MAX_FRAGMENT)
     if kind == "state":
         return StateKey(tag, fragment, peer_id)
@@ -302,3 +327,8 @@ def attest_topic(run_id: str, fragment: int, version: int) -> str:
     fragment = _check_index("fragment", fragment, MAX_FRAGMENT)
     version = _check_index("version", version, MAX_SLOT)
     return f"{KEY_PREFIX}{run_tag(run_id)}/cert/{fragment}/{version}"
+
+
+def evidence_topic(run_id: str) -> str:
+    """The topic the peers that publish evidence of forged claims provide."""
+    return f"{KEY_PREFIX}{run_tag(run_id)}/evidence"

@@ -1,6 +1,6 @@
 """Typed, signed, expiring DHT records, and the rules a record must pass to be used.
 
-Four records, each a wire message (:func:`atoll.protocol.messages.wire_message`) stored
+Five records, each a wire message (:func:`atoll.protocol.messages.wire_message`) stored
 under the key :mod:`atoll.dht.keys` gives it:
 
 - :class:`PeerRecord`  who a peer is: addresses, agent, throughput, per-fragment versions;
@@ -9,7 +9,11 @@ under the key :mod:`atoll.dht.keys` gives it:
 - :class:`StateRecord` the peer can serve one fragment's global state at a version;
 - :class:`AttestationRecord` the peer's signed attestation that its round committed one
   fragment's version (:class:`~atoll.protocol.certificate.Attestation`): a quorum of
-  them, from distinct members, certifies that state.
+  them, from distinct members, certifies that state;
+- :class:`EvidenceRecord` the peer's evidence that other peers forged claims: their own
+  sealed :class:`PeerRecord` values, each declaring a state no certificate vouches for
+  (:func:`open_claim` opens one; whether it is a forgery is the reader's to judge against
+  what it believes).
 
 A stored DHT value is the record's wire bytes *sealed* by its publisher
 (:class:`RecordSigner`): :func:`encode_value` checks and seals, :func:`decode_value`
@@ -61,12 +65,14 @@ from atoll.dht.keys import (
     MAX_SLOT,
     RUN_ID_LEN,
     AttestKey,
+    EvidenceKey,
     PeerKey,
     ReadyKey,
     StateKey,
     attest_key,
     check_peer_id,
     check_run_id,
+    evidence_key,
     parse_key,
     peer_key,
     ready_key,
@@ -82,6 +88,8 @@ __all__ = [
     "MAX_ADDRS",
     "MAX_ADDR_LEN",
     "MAX_AGENT_LEN",
+    "MAX_CLAIMS",
+    "MAX_CLAIM_BYTES",
     "MAX_DIGEST_LEN",
     "MAX_FRAGMENTS",
     "MAX_RECORD_BYTES",
@@ -90,6 +98,7 @@ __all__ = [
     "MAX_VALUE_BYTES",
     "RECORD_DOMAIN",
     "AttestationRecord",
+    "EvidenceRecord",
     "PeerRecord",
     "ReadyRecord",
     "Record",
@@ -102,6 +111,7 @@ __all__ = [
     "decode_value",
     "encode_value",
     "is_newer",
+    "open_claim",
     "select_value",
     "validate",
 ]
@@ -351,13 +361,53 @@ class AttestationRecord:
         return attest_key(self.run_id, self.fragment, self.version, self.peer_id)
 
 
-Record: TypeAlias = PeerRecord | ReadyRecord | StateRecord | AttestationRecord
+MAX_CLAIMS: int = 3
+"""Most forged claims one :class:`EvidenceRecord` carries."""
+
+MAX_CLAIM_BYTES: int = 1200
+"""Most bytes of one claim (a sealed PeerRecord value) in an :class:`EvidenceRecord`:
+three fit the 4 KiB record limit; a larger record is not shared as evidence."""
+
+
+@wire_message(104)
+@dataclass(frozen=True, slots=True)
+class EvidenceRecord:
+    """Evidence, published by the accuser ``peer_id``, that other peers forged claims.
+
+    Each claim is an offender's own sealed :class:`PeerRecord` value, as the offender
+    published it under its peer key, so a reader checks the offender's signature itself
+    (:func:`open_claim`) and needs to trust the accuser for nothing: whether the claim is
+    a forgery (a version far past anything certified) it judges against its own beliefs.
+    The rules check the record's own fields only; a claim that does not open is the
+    reader's to drop.
+    """
+
+    peer_id: str = field(metadata=_PEER)
+    """the accuser (the publisher)"""
+    run_id: str = field(metadata=_RUN)
+    """the run it trains in (64 hex digits)"""
+    claims: tuple[bytes, ...] = field(
+        metadata={"max_len": MAX_CLAIMS, "item_max_len": MAX_CLAIM_BYTES}
+    )
+    """offenders' sealed PeerRecord values, newest first"""
+    issued_at: float
+    """publisher's wall time at publication"""
+    expires_at: float
+    """publisher's wall time after which the record is void"""
+
+    def key(self) -> str:
+        """The DHT key this record is stored under."""
+        return evidence_key(self.run_id, self.peer_id)
+
+
+Record: TypeAlias = PeerRecord | ReadyRecord | StateRecord | AttestationRecord | EvidenceRecord
 """Any DHT record."""
 
-_RECORD_TYPES = (PeerRecord, ReadyRecord, StateRecord, AttestationRecord)
+_RECORD_TYPES = (PeerRecord, ReadyRecord, StateRecord, AttestationRecord, EvidenceRecord)
 _KEY_TYPES: dict[type, type] = {
     PeerRecord: PeerKey,
     ReadyRecord: ReadyKey,
+    EvidenceRecord: EvidenceKey,
     StateRecord: StateKey,
     AttestationRecord: AttestKey,
 }
@@ -470,6 +520,9 @@ def _checked_payload(record: object) -> bytes:
         problem = _ready_problem(record)
     elif isinstance(record, AttestationRecord):
         problem = _attestation_problem(record)
+    elif isinstance(record, EvidenceRecord):
+        problem = None if record.claims and all(record.claims) else "no claims, or an empty one"
+
     else:
         problem = _state_problem(record)
     if problem is not None:
@@ -681,3 +734,34 @@ def select_value(
     if best is None:
         raise first_error or RejectedRecord("malformed", "no values to select from")
     return best[0]
+
+
+def open_claim(data: bytes, *, run_id: str, verifier: RecordVerifier) -> PeerRecord:
+    """The :class:`PeerRecord` a claim of an :class:`EvidenceRecord` holds, once its seal
+    opened and its signer is the record's peer, of run ``run_id``.
+
+    Its lifetime is not checked: an expired record still proves what its signer said
+    (the reader judges the claim against what it believes now).
+
+    Raises:
+        RejectedRecord: the claim is not a sealed PeerRecord of ``run_id`` by its peer.
+    """
+    if not isinstance(data, bytes) or len(data) > MAX_VALUE_BYTES:
+        raise RejectedRecord("size", "a claim is bytes of a DHT value's size")
+    try:
+        payload, signer = verifier.open(data, domain=RECORD_DOMAIN, max_payload=MAX_RECORD_BYTES)
+        record = decode_message(payload, max_bytes=MAX_RECORD_BYTES)
+    except (RejectedInput, CodecError) as e:
+        raise RejectedRecord("seal", str(e)) from e
+    if not isinstance(record, PeerRecord):
+        raise RejectedRecord(
+            "malformed", f"a claim holds a PeerRecord, not {type(record).__name__}"
+        )
+    if signer != record.peer_id:
+        raise RejectedRecord(
+            "signer", f"{_clip(signer)} sealed a record about {_clip(record.peer_id)}"
+        )
+    if record.run_id != run_id:
+        raise RejectedRecord("run", f"the claim is of run {record.run_id[:12]}")
+    _checked_payload(record)
+    return record

@@ -51,6 +51,11 @@ without a certificate is never fetched. After a committed round of a formed grou
 :attr:`FragmentSync.attestation` is what this member signs and publishes: the new
 version and digest, the parent digest the round started from and the sorted members.
 
+Attack injection. ``tamper`` (benchmarks and tests only, None in a real node) sees the
+round's spec, this peer's encoded Δ and its weight in :meth:`FragmentSync.matched` and
+returns what the peer sends instead (:mod:`atoll.node.net.attacks`): the engine keeps the
+honest request, only the round's input changes.
+
 The first error is latched: :meth:`FragmentSync.abort` (a cancelled driver, an
 unexpected failure) rolls the sync back exactly once and every later event returns the
 same :class:`SyncDone`. A committed round is never undone by a later abort.
@@ -88,6 +93,7 @@ __all__ = [
     "RoundStatus",
     "RunRound",
     "SyncDone",
+    "Tamper",
     "holdings_of",
 ]
 
@@ -155,6 +161,9 @@ class SyncDone:
 
 
 Action: TypeAlias = FindGroup | RunRound | FetchState | SyncDone
+Tamper: TypeAlias = Callable[[ar.RoundSpec, bytes, float], tuple[bytes, float]]
+"""``(spec, payload, weight) -> (payload, weight)``: what a hostile peer sends in a round
+instead of its encoded Δ and weight (attack injection for benchmarks and tests)."""
 OnChange: TypeAlias = Callable[[int, str], None]
 """Called with ``(fragment, how)`` after the global copy changed: ``how`` is
 ``"slot/leader"`` for a committed round, ``"rebase"`` for an imported state."""
@@ -178,6 +187,7 @@ class FragmentSync:
         believes: ss.Believes | None = None,
         robust: RobustRule | None = None,
         checks: PartChecks | None = None,
+        tamper: Tamper | None = None,
     ) -> None:
         if not 0 <= fragment < engine.num_fragments:
             raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
@@ -189,6 +199,7 @@ class FragmentSync:
         self._believes = believes
         self._robust = robust if robust is not None else RobustRule()
         self._checks = checks
+        self._tamper = tamper
         self._attestation: Attestation | None = None
         self._phase: Phase = "idle"
         self._request: SyncRequest | None = None
@@ -295,6 +306,8 @@ class FragmentSync:
             robust=self._robust,
             checks=self._checks,
         )
+        if self._tamper is not None:
+            return RunRound(spec, *self._tamper(spec, request.payload, request.weight))
         return RunRound(spec, request.payload, request.weight)
 
     def reduced(self, result: ar.Done | ar.Failed, holdings: Iterable[Holding] = ()) -> Action:

@@ -24,7 +24,9 @@ Who counts. A record lives minutes, a link can drop in a second. A peer with a l
 counts only while it answers: the node's :class:`~atoll.protocol.liveness.Liveness`
 (shared with the DHT and the round drivers) says which peers failed a request since they
 were last heard, and those are left out (:meth:`PeerTracker.responsive`) until they answer
-or send something again.
+or send something again. So are the peers the node banned (:attr:`PeerTracker.banned`, the
+node's :class:`~atoll.protocol.strikes.Strikes`): a banned peer's state is not followed,
+it is not expected at a slot and it does not count toward group sizes and majorities.
 
 The majority rule. With ``n`` responsive peers (this one included) and a manifest quorum
 of at least 2, a group needs ``n // 2 + 1`` members when that many fit in ``max_size``.
@@ -90,8 +92,11 @@ class PeerTracker:
         liveness: Liveness | None = None,
         beliefs: CertifiedStates | None = None,
         clock: Callable[[], float] = trio.current_time,
+        banned: Callable[[str], bool] | None = None,
     ) -> None:
         self.me = me
+        self.banned = banned
+        """whether a peer is banned now (None: nobody is)"""
         self.beliefs = beliefs
         """which declared states may be followed (None: every one, as before certificates)"""
         self.clock = clock
@@ -149,8 +154,13 @@ class PeerTracker:
 
     def responsive(self) -> list[str]:
         """The peers with a live record that have not failed a request since they were
-        last heard."""
-        return [p for p in self.live if not self.liveness.silent(p)]
+        last heard, and are not banned."""
+        banned = self.banned
+        return [
+            p
+            for p in self.live
+            if not self.liveness.silent(p) and (banned is None or not banned(p))
+        ]
 
     async def probe_silent(self, probe: Callable[[str], Awaitable[bool]]) -> list[str]:
         """Probe, at once, every peer with a live record that is silent (``probe(peer)``

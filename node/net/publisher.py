@@ -15,6 +15,16 @@ retrying a failed announce every ``retry_s``, and republishing the attestation o
 state it still holds before its record expires (at a third of its lifetime), so that a
 joiner can check the state long after its round. One attestation per fragment is kept:
 memory is bounded by the fragments, and the queue of unpublished ones too.
+
+:class:`EvidenceExchange` shares the proof of forged claims, so that a peer bans a forger
+it never saw forge (docs/DESIGN.md, "Strikes and bans"): when this node bans a peer for a
+forged record, it fetches that record's sealed value (the forger's own signature on it)
+and publishes it in its :class:`~atoll.dht.records.EvidenceRecord`; every few seconds it
+reads the others' evidence and judges each claim itself: the forger's seal must open,
+the claim must declare a state more than one version past everything this node believes,
+and a certificate lookup of that state must find none. Only then is the forger struck
+(``evidence``). The accuser is trusted for nothing: it can at most make the node check a
+claim.
 """
 
 from __future__ import annotations
@@ -25,15 +35,33 @@ from typing import Protocol
 
 import trio
 
-from atoll.dht.records import MAX_TTL_S, AttestationRecord, PeerRecord
-from atoll.protocol.certificate import Attestation, AttestationSigner, seal_attestation
+from atoll.dht.records import (
+    MAX_CLAIM_BYTES,
+    MAX_CLAIMS,
+    MAX_TTL_S,
+    AttestationRecord,
+    EvidenceRecord,
+    PeerRecord,
+    RecordVerifier,
+    RejectedRecord,
+    open_claim,
+)
+from atoll.protocol.certificate import (
+    Attestation,
+    AttestationSigner,
+    CertifiedStates,
+    seal_attestation,
+)
 from atoll.protocol.errors import AtollError
+from atoll.protocol.strikes import Ban, Strikes
 
 __all__ = [
     "ATTESTATION_TTL_S",
     "RECORD_TTL_S",
     "AttestationBoard",
     "AttestationPublisher",
+    "EvidenceBoard",
+    "EvidenceExchange",
     "RecordPublisher",
 ]
 
@@ -205,4 +233,196 @@ class AttestationPublisher:
             self._wake = trio.Event()  # before publishing: a submit meanwhile wakes the wait
             await self.publish_due()
             with trio.move_on_after(self.retry_s):
+                await self._wake.wait()
+
+
+EVIDENCE_TTL_S = 300.0
+"""lifetime of a published evidence record; republished at a third of it"""
+
+
+class EvidenceBoard(Protocol):
+    """Where evidence is published and read (the DHT, or a test's board)."""
+
+    async def announce_evidence(self, record: EvidenceRecord, /) -> None: ...
+
+    async def find_evidence(self) -> list[EvidenceRecord]: ...
+
+
+class EvidenceExchange:
+    """Publishes this node's evidence of forged claims and judges the others' (see the
+    module docstring).
+
+    ``sealed_of(peer)`` fetches the sealed value of ``peer``'s record (None when not
+    found); ``held(p)`` is this node's (version, digest) of fragment ``p``;
+    ``attestations`` is where certificates are looked up (None: no lookups, a claim
+    not believed now is judged forged). Times: ``wall`` stamps records; periods run on
+    trio's clock.
+    """
+
+    def __init__(
+        self,
+        board: EvidenceBoard,
+        *,
+        peer_id: str,
+        run_id: str,
+        wall: Callable[[], float],
+        verifier: RecordVerifier,
+        strikes: Strikes,
+        beliefs: CertifiedStates,
+        held: Callable[[int], tuple[int, str]],
+        sealed_of: Callable[[str], Awaitable[bytes | None]],
+        attestations: AttestationBoard | None = None,
+        every_s: float = 5.0,
+        ttl_s: float = EVIDENCE_TTL_S,
+    ) -> None:
+        self.board = board
+        self.peer_id = peer_id
+        self.run_id = run_id
+        self.wall = wall
+        self.verifier = verifier
+        self.strikes = strikes
+        self.beliefs = beliefs
+        self.held = held
+        self.sealed_of = sealed_of
+        self.attestations = attestations
+        self.every_s = every_s
+        self.ttl_s = ttl_s
+        self._accused: list[str] = []  # offenders whose claim is still to be fetched
+        self._claims: list[tuple[str, bytes]] = []  # (offender, sealed record), newest first
+        self._published_at = -float("inf")
+        self._judged: set[bytes] = set()  # claims already judged (bounded)
+        self._wake = trio.Event()
+        self.published = 0
+        self.convicted = 0
+        """offenders struck on the evidence of others"""
+
+    # -- this node's evidence --------------------------------------------------------------
+    def on_ban(self, ban: Ban) -> None:
+        """The strike ledger's ban hook: a ban for a forged claim becomes evidence."""
+        if ban.reason.startswith("forged") and ban.peer not in self._accused:
+            self._accused.append(ban.peer)
+            self._wake.set()
+
+    def forged(self, record: PeerRecord) -> tuple[int, int, str] | None:
+        """The first ``(fragment, version, digest)`` ``record`` declares more than one
+        version past everything this node believes of that fragment (and does not
+        believe), or None."""
+        for p, (version, digest) in enumerate(zip(record.versions, record.digests, strict=False)):
+            try:
+                mine = self.held(p)
+            except (IndexError, AtollError):
+                continue
+            reach = max(self.beliefs.top(p), mine[0]) + 1
+            if version > reach and not self.beliefs.believes(p, version, digest):
+                return p, version, digest
+        return None
+
+    async def publish_due(self) -> None:
+        """Fetch the claims of newly banned forgers, then publish the evidence when it
+        changed or a third of its lifetime passed."""
+        changed = False
+        while self._accused:
+            offender = self._accused.pop(0)
+            try:
+                sealed = await self.sealed_of(offender)
+            except AtollError as e:
+                logger.info("the record of peer %s could not be fetched: %s", offender, e)
+                sealed = None
+            if sealed is None or len(sealed) > MAX_CLAIM_BYTES:
+                continue
+            try:
+                if (
+                    self.forged(open_claim(sealed, run_id=self.run_id, verifier=self.verifier))
+                    is None
+                ):
+                    continue  # its record changed since: nothing to show
+            except RejectedRecord:
+                continue
+            self._claims = [(offender, sealed), *[c for c in self._claims if c[0] != offender]]
+            self._claims = self._claims[:MAX_CLAIMS]
+            changed = True
+        if not self._claims:
+            return
+        if not changed and trio.current_time() - self._published_at < self.ttl_s / 3:
+            return
+        wall = self.wall()
+        record = EvidenceRecord(
+            self.peer_id, self.run_id, tuple(c for _, c in self._claims), wall, wall + self.ttl_s
+        )
+        try:
+            await self.board.announce_evidence(record)
+        except AtollError as e:
+            logger.info("publishing evidence failed: %s", e)
+            return
+        self._published_at = trio.current_time()
+        self.published += 1
+        logger.info(
+            "published evidence against %s", ", ".join(offender for offender, _ in self._claims)
+        )
+
+    # -- the others' evidence ----------------------------------------------------------------
+    async def read(self) -> int:
+        """Judge every claim of the others' evidence not judged yet; returns how many
+        offenders it struck."""
+        try:
+            records = await self.board.find_evidence()
+        except AtollError as e:
+            logger.debug("find_evidence: %s", e)
+            return 0
+        struck = 0
+        for record in records:
+            if record.peer_id == self.peer_id or record.run_id != self.run_id:
+                continue
+            for claim in record.claims:
+                if await self.judge(record.peer_id, claim):
+                    struck += 1
+        return struck
+
+    async def judge(self, accuser: str, claim: bytes) -> bool:
+        """Strike the claim's signer when it is a forgery this node can check (see the
+        module docstring); True when it struck."""
+        if claim in self._judged:
+            return False
+        if len(self._judged) > 1024:
+            self._judged.clear()
+        try:
+            record = open_claim(claim, run_id=self.run_id, verifier=self.verifier)
+        except RejectedRecord as e:
+            logger.info("peer %s published a claim that does not hold: %s", accuser, e)
+            self._judged.add(claim)
+            return False
+        offender = record.peer_id
+        if offender == self.peer_id or self.strikes.banned(offender):
+            return False  # judged again once the ban ends
+        found = self.forged(record)
+        if found is None:  # beliefs only grow: it never becomes a forgery later
+            self._judged.add(claim)
+            return False
+        p, version, digest = found
+        if self.attestations is not None:
+            try:
+                records = await self.attestations.find_attestations(p, version)
+            except AtollError:
+                records = []
+            seals = [r.attestation for r in records if (r.version, r.digest) == (version, digest)]
+            if self.beliefs.offer(p, version, digest, seals, now=trio.current_time()) is not None:
+                self._judged.add(claim)
+                return False  # certified after all: not a forgery
+        self.strikes.strike(
+            offender,
+            "evidence",
+            f"its signed record declares fragment {p} version {version} without a certificate"
+            f" (shown by {accuser})",
+        )
+        self.convicted += 1
+        return True
+
+    async def run(self) -> None:
+        """Publish this node's evidence as it comes and read the others' every
+        ``every_s``, forever."""
+        while True:
+            self._wake = trio.Event()
+            await self.publish_due()
+            await self.read()
+            with trio.move_on_after(self.every_s):
                 await self._wake.wait()

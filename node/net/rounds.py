@@ -371,6 +371,23 @@ class _Machine(Protocol):
     def peer_lost(self, peer: str, *, now: float) -> Sequence[Any]: ...
 
 
+class _Refusing:
+    """A matchmaker that never hears the messages of banned peers."""
+
+    def __init__(self, machine: mm.Matchmaker, banned: Callable[[str], bool]) -> None:
+        self.machine = machine
+        self.banned = banned
+        self.tick = machine.tick
+        self.peer_lost = machine.peer_lost
+
+    @property
+    def next_deadline(self) -> float | None:
+        return self.machine.next_deadline
+
+    def receive(self, msg: Any, *, now: float) -> Sequence[Any]:
+        return [] if self.banned(getattr(msg, "sender", "")) else self.machine.receive(msg, now=now)
+
+
 async def _drive(
     machine: _Machine,
     actions: Sequence[Any],
@@ -424,6 +441,7 @@ async def run_matchmaking(
     liveness: Liveness | None = None,
     patience_s: float = 0.0,
     expected: Callable[[], Collection[str]] | None = None,
+    banned: Callable[[str], bool] | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -440,7 +458,8 @@ async def run_matchmaking(
     dropped for silence is reported to it, and so is a failed send. ``expected``: the
     peers due at this slot (read at every DHT view); one that has not declared yet
     extends the matchmaker's deadline by ``patience_s`` (once; see
-    :class:`~atoll.protocol.matchmaking.Matchmaker`).
+    :class:`~atoll.protocol.matchmaking.Matchmaker`). ``banned``: the declarations of
+    banned peers are left out and their messages unanswered (they are not grouped with).
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
@@ -493,6 +512,8 @@ async def run_matchmaking(
                 declared = {d.peer_id for d in decls}
                 if liveness is not None:  # a peer in its hold would not answer
                     decls = [d for d in decls if not liveness.suspected(d.peer_id, now)]
+                if banned is not None:
+                    decls = [d for d in decls if not banned(d.peer_id)]
                 out = machine.resize(settings_of(), now=now)
                 if expected is not None:
                     due = [p for p in expected() if p not in declared]
@@ -500,7 +521,8 @@ async def run_matchmaking(
                 return [*out, *machine.observe(decls, now=now)]
 
             first = machine.tick(trio.current_time())
-            outcome = await _drive(machine, first, events, runner, observe)
+            driven = machine if banned is None else _Refusing(machine, banned)
+            outcome = await _drive(driven, first, events, runner, observe)
             stop.set()
             if liveness is not None:
                 for peer in machine.silent:

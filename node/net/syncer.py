@@ -29,6 +29,13 @@ follows believed states only. After a committed round the machine's attestation 
 ``attest`` (the node seals and publishes it, :class:`~atoll.node.net.publisher.
 AttestationPublisher`).
 
+Strikes and bans. With :attr:`Syncer.strikes` (the node's
+:class:`~atoll.protocol.strikes.Strikes`), a round that failed naming a culprit strikes it
+(``part``, or ``equivocation`` when the round says so), matchmaking leaves banned peers
+out, and the declarations a slot showed of banned peers are not followed.
+:attr:`Syncer.tamper` is attack injection (benchmarks and tests): see
+:class:`~atoll.protocol.sync.FragmentSync`.
+
 It depends only on the seams of :mod:`atoll.node.net.seam`, so the same driver runs a
 node's syncs over libp2p and a test's over :mod:`atoll.node.net.memory` under a fake
 clock. It also answers peers' state requests (:meth:`Syncer.serve_request`).
@@ -56,6 +63,7 @@ from atoll.node.net.rounds import (
     serve_state,
 )
 from atoll.node.net.seam import ReadyBoard, RoundTransport
+from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
 from atoll.protocol import sync as fs
@@ -63,6 +71,7 @@ from atoll.protocol.certificate import Attestation
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
 from atoll.protocol.manifest import RobustSettings, Timeouts
+from atoll.protocol.strikes import Strikes, reason_of_failure
 
 __all__ = ["FaultHook", "Offload", "SyncReport", "Syncer", "answer_bound", "inline"]
 
@@ -125,7 +134,13 @@ class Syncer:
         attestations: AttestationBoard | None = None,
         attest: Callable[[Attestation], None] | None = None,
         robust: RobustSettings | None = None,
+        strikes: Strikes | None = None,
+        tamper: fs.Tamper | None = None,
     ) -> None:
+        self.strikes = strikes
+        """the node's strike ledger (None: nobody is struck or banned)"""
+        self.tamper = tamper
+        """attack injection: what this node sends instead of its contribution (tests)"""
         self.robust = robust if robust is not None else RobustSettings()
         """how chunk owners check and combine parts (the manifest's ``[robust]`` table)"""
         self.transport = transport
@@ -170,7 +185,11 @@ class Syncer:
             believes=None if beliefs is None else functools.partial(beliefs.believes, p),
             robust=self.robust.to_rule(),
             checks=self.robust.to_checks(),
+            tamper=self.tamper,
         )
+
+    def _banned(self, peer: str) -> bool:
+        return self.strikes is not None and self.strikes.banned(peer)
 
     def _mine(self, p: int) -> tuple[int, str]:
         return self.engine.version(p), self.engine.digest(p)
@@ -276,6 +295,13 @@ class Syncer:
                 )
                 if report is not None:
                     report.traffic = traffic
+                if isinstance(result, ar.Failed) and result.culprit and self.strikes is not None:
+                    key = action.spec.key
+                    self.strikes.strike(
+                        result.culprit,
+                        reason_of_failure(result.reason),
+                        f"fragment {key.fragment} round {key.round}: {result.reason[:200]}",
+                    )
                 holdings = await self._holdings(machine.fragment, seen)
                 action = await self.engine_call(machine.reduced, result, holdings)
                 self._log_slot(action, machine, seen)
@@ -308,6 +334,7 @@ class Syncer:
             liveness=self.peers.liveness,
             patience_s=matchmaking_s,
             expected=functools.partial(self.peers.expected, me.fragment, me.version, me.digest),
+            banned=self._banned if self.strikes is not None else None,
         )
 
     async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:
@@ -333,7 +360,7 @@ class Syncer:
         copy learns that it is certified, and rebases. In a healthy swarm there is
         nothing to look up here (the group's members hold this node's state)."""
         live = {peer: (peer, v, d) for peer, v, d in self.peers.declared(p)}
-        live.update((peer, (peer, v, d)) for peer, (v, d) in seen.items())
+        live.update((peer, (peer, v, d)) for peer, (v, d) in seen.items() if not self._banned(peer))
         holdings = list(live.values())
         mine = await self.certify(p, holdings)
         return self.peers.believed(p, holdings, mine)

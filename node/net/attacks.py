@@ -1,0 +1,206 @@
+"""Attack injection for benchmarks and tests: a node that lies, on purpose.
+
+A spec (``atoll node``'s ``attack`` setting, usually from the ``ATOLL_ATTACK`` variable;
+no command-line flag) makes the node hostile in one way, so that benchmarks
+(``bench/attacks.py``) and tests measure what the protections do. Like
+:mod:`atoll.node.net.faults` it exists for them only; a real node runs with none.
+
+Attacks on the node's contribution to a round (a
+:data:`~atoll.protocol.sync.Tamper` applied where the round's payload is built, so the
+node's engine keeps its honest request):
+
+==============  ========================================================================
+``nan``         every value of the part is NaN (crafted bytes: the codecs refuse to
+                encode NaN)
+``huge``        the update scaled by 10^6
+``signflip``    the update negated
+``scaled:K``    the update scaled by K
+``noise``       Gaussian noise with the update's own root mean square in its place
+``alie``        "a little is enough": every coordinate shifted by ``-z * |x_i|`` with
+                z = 1. The published attack shifts the mean by z standard deviations of
+                the honest updates, coordinate by coordinate; a single node sees only
+                its own update, so its value stands in for the mean and its magnitude
+                for the spread (a consistent push of every coordinate the same way)
+``weight:K``    the token weight inflated K times (default 100)
+``stale``       the first round's payload of each fragment replayed in every later one
+==============  ========================================================================
+
+Attacks elsewhere:
+
+- ``forge``: the node's peer record claims version 10^6, with a made-up digest, for
+  every fragment (:func:`forged_versions`; the swarm worker's record builder applies it);
+- ``equivocate``: each part goes to its owner twice, the second copy with one byte
+  changed (:class:`EquivocatingTransport`); the owner rejects the pair and names the
+  sender.
+
+A hostile chunk owner (returning a wrong reduced chunk) is not among them: the round's
+machine builds the reduced chunk itself, with no hook to tamper with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from atoll.node.net.seam import RoundTransport
+from atoll.protocol import allreduce as ar
+from atoll.protocol.codecs import Codec
+from atoll.protocol.errors import ConfigError
+from atoll.protocol.sync import Tamper
+
+__all__ = [
+    "ATTACKS",
+    "FORGED_VERSION",
+    "Attack",
+    "EquivocatingTransport",
+    "forged_versions",
+    "nan_payload",
+    "parse_attack",
+]
+
+logger = logging.getLogger(__name__)
+
+ATTACKS = (
+    "nan",
+    "huge",
+    "signflip",
+    "scaled",
+    "noise",
+    "alie",
+    "weight",
+    "stale",
+    "forge",
+    "equivocate",
+)
+"""The attack names a spec may start with."""
+
+FORGED_VERSION = 10**6
+"""The version a forger's record claims for every fragment."""
+
+ALIE_Z = 1.0
+"""The shift of ``alie`` in multiples of each coordinate's own magnitude."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Attack:
+    """A parsed attack spec: ``name`` and its factor ``k`` (1 when it takes none)."""
+
+    name: str
+    k: float = 1.0
+
+    @property
+    def tamper(self) -> Tamper | None:
+        """The round tamper of this attack (None for ``forge`` and ``equivocate``)."""
+        if self.name in ("forge", "equivocate"):
+            return None
+        return _tamper(self)
+
+    @property
+    def forges(self) -> bool:
+        return self.name == "forge"
+
+    @property
+    def equivocates(self) -> bool:
+        return self.name == "equivocate"
+
+
+def parse_attack(spec: str) -> Attack | None:
+    """The attack of ``spec`` (None for an empty one); ConfigError when malformed."""
+    spec = spec.strip()
+    if not spec:
+        return None
+    name, _, arg = spec.partition(":")
+    if name not in ATTACKS:
+        raise ConfigError(f"attack must be one of {ATTACKS} (scaled:K, weight:K), not {spec!r}")
+    if name in ("scaled", "weight"):
+        try:
+            k = float(arg) if arg else (10.0 if name == "scaled" else 100.0)
+        except ValueError:
+            raise ConfigError(f"attack {spec!r}: K must be a number") from None
+        if not np.isfinite(k) or (name == "weight" and k <= 0):
+            raise ConfigError(f"attack {spec!r}: K must be finite (and > 0 for weight)")
+        return Attack(name, k)
+    if arg:
+        raise ConfigError(f"attack {name!r} takes no argument")
+    return Attack(name, 1e6 if name == "huge" else 1.0)
+
+
+def nan_payload(codec: Codec, numel: int) -> bytes:
+    """A payload of ``numel`` values in ``codec``'s format that decodes to NaN (or is
+    refused as non-finite): built byte by byte, since no codec encodes NaN."""
+    name = codec.name
+    if name == "fp32":
+        return np.full(numel, np.nan, np.float32).tobytes()
+    if name == "bf16":
+        return np.full(numel, 0x7FC0, "<u2").tobytes()
+    block = int(getattr(codec, "block", 128))
+    nb = -(-numel // block)
+    if name == "int8":
+        return np.full(nb, np.nan, "<f4").tobytes() + bytes(numel)
+    # e3m0 and e3m0-sr: bfloat16 NaN scales, zero codes
+    return np.full(nb, 0x7FC0, "<u2").tobytes() + b"\x77" * ((numel + 1) // 2)
+
+
+def _tamper(attack: Attack) -> Tamper:
+    rng = np.random.default_rng(0xA77AC)
+    first: dict[tuple[int, int], bytes] = {}  # (fragment, numel) -> first payload sent
+
+    def tamper(spec: ar.RoundSpec, payload: bytes, weight: float) -> tuple[bytes, float]:
+        codec = spec.make_codec()
+        n = spec.numel
+        name = attack.name
+        if name == "weight":
+            out = (payload, weight * attack.k)
+        elif name == "stale":
+            out = (first.setdefault((spec.key.fragment, n), payload), weight)
+        elif name == "nan":
+            out = (nan_payload(codec, n), weight)
+        else:
+            x = codec.decode(payload, n).astype(np.float64)
+            if name in ("huge", "scaled"):
+                y = x * attack.k
+            elif name == "signflip":
+                y = -x
+            elif name == "noise":
+                rms = float(np.sqrt(np.mean(x * x))) if n else 0.0
+                y = rng.standard_normal(n) * rms
+            else:  # alie
+                y = x - ALIE_Z * np.abs(x)
+            out = (codec.encode(y.astype(np.float32)), weight)
+        logger.info(
+            "attack %s: fragment %d round %d tampered", name, spec.key.fragment, spec.key.round
+        )
+        return out
+
+    return tamper
+
+
+def forged_versions(n: int, digest_len: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """What a forger's record declares for ``n`` fragments: version 10^6 and a made-up
+    digest of ``digest_len`` hex digits each."""
+    return (FORGED_VERSION,) * n, ("f" * digest_len,) * n
+
+
+class EquivocatingTransport:
+    """A round transport that sends each :class:`~atoll.protocol.allreduce.Part` twice,
+    the second copy with its first byte changed (``equivocate``); everything else as
+    ``inner`` does."""
+
+    def __init__(self, inner: RoundTransport) -> None:
+        self.inner = inner
+
+    @property
+    def peer_id(self) -> str:
+        return self.inner.peer_id
+
+    async def send(self, peer: str, msg: object, /) -> None:
+        await self.inner.send(peer, msg)
+        if isinstance(msg, ar.Part) and msg.payload:
+            flipped = bytes([msg.payload[0] ^ 0x11]) + msg.payload[1:]
+            logger.info("attack equivocate: a second part for chunk %d to %s", msg.chunk, peer)
+            await self.inner.send(peer, dataclasses.replace(msg, payload=flipped))
+
+    async def receive(self) -> tuple[str, object]:
+        return await self.inner.receive()

@@ -1,0 +1,201 @@
+"""Strikes and bans in whole swarms on the in-memory network under a fake clock.
+
+The swarm of :mod:`tests.unit.test_syncer_memory` (its helpers are imported), each node
+with a strike ledger (:class:`~atoll.protocol.strikes.Strikes`) wired as the swarm worker
+wires it: the syncer strikes the culprits of failed rounds and leaves banned peers out of
+matchmaking, the tracker out of the states it follows and of group sizes. A hostile
+member is made so by attack injection (:mod:`atoll.node.net.attacks`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import trio
+
+from atoll.dht.records import EvidenceRecord, PeerRecord, encode_value
+from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
+from atoll.node.net.attacks import FORGED_VERSION, parse_attack
+from atoll.node.net.memory import MemoryNetwork
+from atoll.node.net.publisher import EvidenceExchange
+from atoll.protocol import statesync as ss
+from atoll.protocol.manifest import RobustSettings
+from atoll.protocol.strikes import Strikes
+from tests.unit.test_syncer_memory import (
+    RUN,
+    Node,
+    _identity,
+    _node,
+    _run,
+    _swarm,
+    _sync_nodes,
+)
+
+
+def _arm(node: Node) -> Strikes:
+    """Give ``node`` a strike ledger, wired into its syncer and tracker."""
+    strikes = Strikes(clock=trio.current_time)
+    node.syncer.strikes = strikes
+    node.syncer.peers.banned = strikes.banned
+    return strikes
+
+
+def test_a_member_scaling_its_part_by_1e6_is_banned_within_3_rounds_and_rounds_go_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            robust = RobustSettings(rule="trimmed_mean", checks=True)
+            _, nodes = await _swarm(net, services, 5, robust=robust)
+            ledgers = [_arm(n) for n in nodes]
+            hostile = nodes[4]
+            attack = parse_attack("huge")
+            assert attack is not None
+            hostile.syncer.tamper = attack.tamper
+            honest = nodes[:4]
+            hostile_rounds = 0
+            banned_after: int | None = None
+            for k in range(6):
+                await _sync_nodes(nodes, 3 + 4 * k, k)
+                report = hostile.report
+                assert report is not None
+                if len(report.done.members) > 1:
+                    hostile_rounds += 1
+                if banned_after is None and all(s.banned(hostile.peer) for s in ledgers[:4]):
+                    banned_after = hostile_rounds
+            assert banned_after is not None and banned_after <= 3, banned_after
+            # the last rounds: the honest nodes apply among themselves, without it
+            for n in honest:
+                assert n.report is not None
+                assert n.report.done.round_status == "applied", n.report.done.reason
+                assert hostile.peer not in n.report.done.members
+            assert len({n.state() for n in honest}) == 1
+            # its huge parts never went into the honest copy
+            assert float(np.max(np.abs(honest[0].engine.global_params(0)))) < 100.0
+            services.cancel_scope.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="atoll.protocol.strikes"):
+        _run(main)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("banned peer")]
+    assert lines and all(line.startswith("banned peer peer-4 for 60 s: part:") for line in lines)
+
+
+class EvidenceBoard:
+    """The run's evidence records, in memory."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, EvidenceRecord] = {}
+
+    async def announce_evidence(self, record: EvidenceRecord, /) -> None:
+        await trio.lowlevel.checkpoint()
+        self.records[record.peer_id] = record
+
+    async def find_evidence(self) -> list[EvidenceRecord]:
+        await trio.lowlevel.checkpoint()
+        return list(self.records.values())
+
+
+def test_a_forger_is_banned_and_its_evidence_convinces_a_node_that_never_saw_it() -> None:
+    """A peer whose signed record claims version 10^6 is banned at once by the nodes that
+    read it; one of them publishes the record as evidence, and a node whose directory
+    never showed the forger bans it on that evidence alone, while a claim a node can
+    check to be certified convicts nobody."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 3)
+            forger = _identity("forger").peer_id  # a real id: its record is sealed
+            net.transport(forger)
+            now = net.wall()
+            forged = PeerRecord(
+                forger,
+                RUN,
+                (),
+                "atoll/test",
+                0.0,
+                (FORGED_VERSION,),
+                ("f" * ss.DIGEST_LEN,),
+                True,
+                now,
+                now + 120.0,
+            )
+            sealed = encode_value(forged, EnvelopeSigner(_identity("forger")))
+            directory.forged.append((forger, FORGED_VERSION, "f" * ss.DIGEST_LEN))
+            ledgers = [_arm(n) for n in nodes]
+            board = EvidenceBoard()
+
+            async def sealed_of(peer: str) -> bytes | None:
+                await trio.lowlevel.checkpoint()
+                return sealed if peer == forger else None
+
+            def exchange(node: Node, strikes: Strikes) -> EvidenceExchange:
+                beliefs = node.syncer.peers.beliefs
+                assert beliefs is not None
+                return EvidenceExchange(
+                    board,
+                    peer_id=node.peer,
+                    run_id=RUN,
+                    wall=net.wall,
+                    verifier=EnvelopeVerifier(),
+                    strikes=strikes,
+                    beliefs=beliefs,
+                    held=lambda p: (node.engine.version(p), node.engine.digest(p)),
+                    sealed_of=sealed_of,
+                    attestations=net.board,
+                )
+
+            accuser = exchange(nodes[0], ledgers[0])
+            ledgers[0].on_ban = accuser.on_ban
+            # the node's hook: a claim past everything believed is a forgery
+            for n, strikes in zip(nodes, ledgers, strict=True):
+                beliefs = n.syncer.peers.beliefs
+                assert beliefs is not None
+
+                def on_uncertified(
+                    peer: str, p: int, v: int, n: Node = n, strikes: Strikes = strikes
+                ) -> None:
+                    n.reported.append((peer, p, v))
+                    strikes.strike(peer, "forged" if v > n.engine.version(p) + 1 else "uncertified")
+
+                beliefs.on_uncertified = on_uncertified
+            for k in range(2):
+                await _sync_nodes(nodes, 3 + 4 * k, k)
+                assert all(n.report.done.round_status == "applied" for n in nodes)  # type: ignore[union-attr]
+            for strikes in ledgers:
+                assert strikes.banned(forger)
+            await accuser.publish_due()
+            assert accuser.published == 1 and list(board.records) == [nodes[0].peer]
+            # a node that never saw the forger's record: its directory shows none
+            late = await _node(
+                net,
+                type(directory)(net),
+                "peer-late",
+                services,
+                initial=np.zeros(nodes[0].engine.global_params(0).size, np.float32),
+            )
+            late_strikes = _arm(late)
+            reader = exchange(late, late_strikes)
+            assert not late_strikes.banned(forger)
+            assert await reader.read() == 1
+            assert late_strikes.banned(forger)
+            ban = late_strikes.ban_of(forger)
+            assert ban is not None and ban.reason.startswith("evidence:")
+            assert nodes[0].peer in ban.reason
+            # a signed record of a state within reach convicts nobody
+            victim = _identity("victim").peer_id
+            held = dataclasses.replace(
+                forged, peer_id=victim, versions=(1,), digests=(nodes[0].state()[1],)
+            )
+            claim = encode_value(held, EnvelopeSigner(_identity("victim")))
+            assert not await reader.judge(nodes[0].peer, claim)
+            # nor does a forged record sealed by someone else than the peer it names
+            framed = dataclasses.replace(forged, peer_id=victim)
+            sealed_by_other = encode_value(framed, EnvelopeSigner(_identity("forger")))
+            assert not await reader.judge(nodes[0].peer, sealed_by_other)
+            assert late_strikes.banned_peers() == (forger,)
+            services.cancel_scope.cancel()
+
+    _run(main)
