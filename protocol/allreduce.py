@@ -49,6 +49,36 @@ tolerates that: a rolled-back member keeps its work for its next round (``skip``
 whoever forms the next group must compare fragment versions (the round of
 :class:`RoundKey`) so that members that diverged here do not average together.
 
+Verified owners (:attr:`RoundSpec.verify_owners`, off by default). A chunk's owner reduces
+for everybody, so a hostile owner could hand out any chunk. With verification on:
+
+- every :class:`Part` carries its sender's commitments (the sha256 of each of its parts);
+  an owner or verifier rejects a part that does not hash to its entry, or a sender whose
+  parts carry two different lists or weights (naming the sender);
+- chunk ``j`` also goes to a verifier (:meth:`RoundSpec.verifiers`: each member verifies
+  one chunk, never its own, drawn from the round key), which receives every member's
+  part of it, reduces it exactly as the owner must (rules and codecs are deterministic;
+  stochastic rounding is seeded by round and chunk) and sends every member a
+  :class:`Verified` with the digest of the encoded result, the total weight and the
+  parts' digests; the owner's :class:`Reduced` carries the parts' digests too;
+- a member commits only when, for every chunk, the owner's bytes hash to the verifier's
+  digest with the same total weight and part digests, and both list its own part as it
+  sent it (else it names the one that misused its part);
+- when the two agree on the parts but not on the result, the one of them that is honest
+  knows the other lied and sends every member the parts (:class:`Evidence`); each member
+  checks them against the commitments their senders gave it, recomputes the chunk and
+  names whichever claim is wrong (``Failed.culprit``). When the two list different parts
+  (one lies, or a member gave them different parts) or no evidence comes, the round fails
+  naming nobody, with ``Failed.suspects``.
+
+No honest member commits a wrong chunk unless a chunk's owner and its verifier both lie
+together. Without signed commitments some lies stay unattributed (``suspects``); a
+culprit is only named on proof. Cost: one more copy of the reduce-scatter (each member
+sends ``(M-1)/M`` of its encoding twice in that phase), 32 bytes per member in each part,
+one small :class:`Verified` per member to every member, one more reduction per member,
+and a wait for the slowest verifier; evidence (a chunk's parts to every member) only
+when a round is already lost.
+
 The machine trusts the ``sender`` field of a message: the driver must check it against
 the authenticated transport peer before calling :meth:`~AllReduceRound.receive`. Time is
 passed in (``now``, any monotonic clock in seconds); nothing here reads a clock, opens a
@@ -74,10 +104,13 @@ from atoll.protocol.reduce import Contribution, chunk_bounds, reduce_encoded
 from atoll.protocol.robust import RobustRule
 
 __all__ = [
+    "DIGEST_BYTES",
+    "MAX_GROUP",
     "Abort",
     "Action",
     "AllReduceRound",
     "Done",
+    "Evidence",
     "Failed",
     "Message",
     "Part",
@@ -86,11 +119,18 @@ __all__ = [
     "RoundSpec",
     "Send",
     "Validator",
+    "Verified",
 ]
 
 F32Array = npt.NDArray[np.float32]
 
 _MAX_REASON = 300  # characters of a peer's abort reason we repeat (a hostile one can be huge)
+
+DIGEST_BYTES = 32
+"""Length of a part's or a chunk's digest (sha256)."""
+MAX_GROUP = 1024
+"""Most members whose digests or parts one message may list."""
+_DIGESTS = {"max_len": MAX_GROUP, "item_max_len": DIGEST_BYTES}
 
 
 # --------------------------------------------------------------------------------------
@@ -133,6 +173,7 @@ class RoundSpec:
     codec_block: int = 128
     robust: RobustRule = field(default_factory=RobustRule)
     checks: PartChecks | None = None
+    verify_owners: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.members, tuple) or not self.members:
@@ -148,6 +189,8 @@ class RoundSpec:
             raise ConfigError(f"robust must be a RobustRule, not {self.robust!r}")
         if self.checks is not None and not isinstance(self.checks, PartChecks):
             raise ConfigError(f"checks must be PartChecks or None, not {self.checks!r}")
+        if not isinstance(self.verify_owners, bool):
+            raise ConfigError(f"verify_owners must be a bool, not {self.verify_owners!r}")
 
     def make_codec(self) -> Codec:
         """The round's codec (:func:`codecs.make_codec` of ``codec`` and ``codec_block``)."""
@@ -156,6 +199,26 @@ class RoundSpec:
     def bounds(self) -> list[tuple[int, int]]:
         """``(start, stop)`` of every member's chunk, in member order."""
         return chunk_bounds(self.numel, len(self.members), self.make_codec().align)
+
+    def verifiers(self) -> tuple[int, ...]:
+        """The member index of each chunk's verifier (used when ``verify_owners`` is set).
+
+        The members are ranked by ``sha256(run, fragment, round, member)``; chunk ``j``'s
+        verifier is the member ranked after its owner (cyclically). So each member verifies
+        exactly one chunk, never its own, and which one changes with every round, out of
+        any member's choosing. A group of one has no verifier (``(0,)``).
+        """
+        k, m = self.key, self.members
+        if len(m) < 2:
+            return tuple(range(len(m)))
+
+        def rank(i: int) -> tuple[bytes, int]:
+            tag = f"{k.run_id}\0{k.fragment}\0{k.round}\0{m[i]}".encode()
+            return hashlib.sha256(tag).digest(), i
+
+        order = sorted(range(len(m)), key=rank)
+        after = {order[p]: order[(p + 1) % len(m)] for p in range(len(m))}
+        return tuple(after[j] for j in range(len(m)))
 
 
 # --------------------------------------------------------------------------------------
@@ -177,6 +240,10 @@ class Part:
     chunk: int
     weight: float
     payload: bytes
+    digests: tuple[bytes, ...] = field(default=(), metadata=_DIGESTS)
+    """with :attr:`RoundSpec.verify_owners`: the sender's commitments, the sha256 of each of
+    its parts in chunk order (the same tuple in every part it sends); else empty, and left
+    off the wire"""
 
 
 @wire_message(11)
@@ -196,6 +263,9 @@ class Reduced:
     chunk: int
     total_weight: float
     payload: bytes
+    part_digests: tuple[bytes, ...] = field(default=(), metadata=_DIGESTS)
+    """with :attr:`RoundSpec.verify_owners`: the sha256 of each part the owner reduced, in
+    member order, so that every member can check that its own part was used"""
 
 
 @wire_message(12)
@@ -210,7 +280,47 @@ class Abort:
     reason: str
 
 
-Message: TypeAlias = Part | Reduced | Abort
+@wire_message(13)
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A chunk's verifier's own reduction of chunk ``chunk``, by digest, sent to every member.
+
+    ``digest`` is the sha256 of the encoded chunk the verifier computed from the same parts
+    (:attr:`RoundSpec.verify_owners`); a member commits the owner's :class:`Reduced` only
+    when its sha256, total weight and part digests are those given here.
+    """
+
+    run_id: str
+    fragment: int
+    round: int
+    sender: str
+    chunk: int
+    total_weight: float
+    digest: bytes = field(metadata={"max_len": DIGEST_BYTES})
+    part_digests: tuple[bytes, ...] = field(metadata=_DIGESTS)
+
+
+@wire_message(14)
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """The parts of chunk ``chunk`` (weights and payloads in member order), sent to every
+    member by the owner or the verifier when the other's claim disagrees with its own.
+
+    Each member checks every part against the digest its sender committed to (in the
+    :class:`Part` it sent this member), recomputes the chunk and so learns which of the two
+    lied; it is only sent when a round is already lost.
+    """
+
+    run_id: str
+    fragment: int
+    round: int
+    sender: str
+    chunk: int
+    weights: tuple[float, ...] = field(metadata={"max_len": MAX_GROUP})
+    payloads: tuple[bytes, ...] = field(metadata={"max_len": MAX_GROUP})
+
+
+Message: TypeAlias = Part | Reduced | Abort | Verified | Evidence
 
 
 # --------------------------------------------------------------------------------------
@@ -244,6 +354,10 @@ class Failed:
     missing: tuple[str, ...] = ()
     """members whose part or reduced chunk had not come by the deadline (a silent peer,
     or a connection that stalled): the driver's liveness hears of them"""
+    suspects: tuple[str, ...] = ()
+    """with verified owners: members of which at least one lied, when this member could
+    not tell which (an owner and a verifier disagreeing with no evidence in time), or the
+    ones proven wrong by the evidence; ``culprit`` is set only when the proof is complete"""
 
 
 Action: TypeAlias = Send | Done | Failed
@@ -269,13 +383,50 @@ def _clip(text: str) -> str:
 # --------------------------------------------------------------------------------------
 # the state machine
 # --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Slot:
+    """The parts of one chunk this member collects: as the chunk's owner or its verifier."""
+
+    chunk: int
+    parts: list[Contribution | None]
+    decoded: list[F32Array | None]
+    done: bool = False
+
+    def missing(self, members: tuple[str, ...]) -> list[str]:
+        return [members[i] for i, p in enumerate(self.parts) if p is None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """What an owner (its :class:`Reduced`) or a verifier (its :class:`Verified`) says
+    chunk ``j`` is: the digest of its encoding, the total weight and the parts' digests."""
+
+    digest: bytes
+    total: float
+    parts: tuple[bytes, ...]
+
+
+def _sha(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _digest_list(value: object, n: int) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == n
+        and all(isinstance(d, bytes) and len(d) == DIGEST_BYTES for d in value)
+    )
+
+
 class AllReduceRound:
     """One member's side of one round: reduce-scatter then all-gather, commit or roll back.
 
     The protocol is Streaming DiLoCo's low-precision all-reduce (arXiv 2501.18512):
     quantize once, reduce-scatter, fp32 weighted sum at each chunk's owner, quantize the
     mean once, all-gather. Its failure handling follows torchft (errors latched, the round
-    committed or rolled back whole). See the module docstring for the guarantees.
+    committed or rolled back whole). See the module docstring for the guarantees, and for
+    :attr:`RoundSpec.verify_owners` (every chunk recomputed by a second member before
+    anybody commits it).
 
     Args:
         spec: the group's agreement (key, members, size, codec).
@@ -285,13 +436,17 @@ class AllReduceRound:
         weight: this member's token count, finite and > 0.
         now: the current time; the deadlines count from it.
         phase_timeout: seconds within which every member's part for this member's chunk
-            must arrive (the reduce-scatter).
+            (and, verifying, for the chunk it verifies) must arrive (the reduce-scatter).
         round_timeout: seconds within which the whole round must finish (reduce-scatter and
             all-gather); at least ``phase_timeout``.
         validator: optional check of each received part (see :data:`Validator`).
         weight_caps: the largest token weight each listed peer may claim (e.g. from its
             measured throughput); a part above its sender's cap is rejected before the
             reduction, naming the sender. Applied whether or not ``spec.checks`` is set.
+        tamper_reduced: for tests and the attack benchmark only: makes this member a
+            hostile owner, sending ``tamper_reduced(encoded_chunk)`` instead of its chunk.
+        tamper_verified: for tests and the attack benchmark only: makes this member a
+            hostile verifier, announcing the digest of ``tamper_verified(encoded_chunk)``.
 
     Raises:
         ConfigError: inconsistent arguments (``me`` not a member, a payload of the wrong
@@ -311,6 +466,8 @@ class AllReduceRound:
         round_timeout: float,
         validator: Validator | None = None,
         weight_caps: Mapping[str, float] | None = None,
+        tamper_reduced: Callable[[bytes], bytes] | None = None,
+        tamper_verified: Callable[[bytes], bytes] | None = None,
     ) -> None:
         if me not in spec.members:
             raise ConfigError(f"{me!r} is not a member of the round's group")
@@ -335,12 +492,15 @@ class AllReduceRound:
                 f"payload has {len(payload)} bytes, expected {size} for {spec.numel} values "
                 f"of {self._codec.name}"
             )
+        m = len(spec.members)
         self._payload = bytes(payload)
         self._weight = float(weight)
         self._validator = validator
         self._caps = dict(weight_caps) if weight_caps else None
+        self._tamper_reduced = tamper_reduced
+        self._tamper_verified = tamper_verified
         self._bounds = spec.bounds()
-        self._index = {m: i for i, m in enumerate(spec.members)}
+        self._index = {mem: i for i, mem in enumerate(spec.members)}
         self._mine = self._index[me]
         self._phase_deadline = now + phase_timeout
         self._round_deadline = now + round_timeout
@@ -349,21 +509,49 @@ class AllReduceRound:
         self._bytes_sent = 0
         self._bytes_received = 0
 
-        # as owner of chunk self._mine: one contribution per member, in member order
-        a, b = self._bounds[self._mine]
-        own = self._codec.slice_payload(self._payload, spec.numel, a, b)
-        # our own input must be sound (CodecError if not); its decoding is kept for the mean
-        self._decoded: list[F32Array | None] = [None] * len(spec.members)
-        self._decoded[self._mine] = self._codec.decode(own, b - a)
-        self._parts: list[Contribution | None] = [None] * len(spec.members)
-        self._parts[self._mine] = Contribution(own, self._weight)
+        # verification (RoundSpec.verify_owners): who verifies which chunk, our own parts'
+        # digests, every member's commitments and weights as it told us, the claims
+        self._verify = spec.verify_owners and m > 1
+        self._verifier = spec.verifiers() if self._verify else tuple(range(m))
+        self._my_digests: tuple[bytes, ...] = ()
+        self._commit: list[tuple[bytes, ...] | None] = [None] * m
+        self._weight_of: list[float | None] = [None] * m
+        self._owner_claim: list[_Claim | None] = [None] * m
+        self._ver_claim: list[_Claim | None] = [None] * m
+        self._settled = [not self._verify] * m
+        self._disputed: set[int] = set()
+        self._evidence: dict[int, Evidence] = {}
+        if self._verify:
+            self._my_digests = tuple(_sha(self._piece(j)) for j in range(m))
+            self._commit[self._mine] = self._my_digests
+            self._weight_of[self._mine] = self._weight
+
+        # as owner of chunk self._mine (and verifier of self._vslot.chunk): one contribution
+        # per member, in member order; our own input must be sound (CodecError if not)
+        self._slot = self._new_slot(self._mine)
+        self._vslot: _Slot | None = None
+        if self._verify:
+            self._vslot = self._new_slot(self._verifier.index(self._mine))
         self._reduced_mine = False
         # as member: every owner's reduced chunk, its payload (to spot equivocation) and
         # the total weight it reported
-        self._chunks: list[F32Array | None] = [None] * len(spec.members)
+        self._chunks: list[F32Array | None] = [None] * m
         self._result: F32Array | None = None
-        self._chunk_bytes: list[bytes | None] = [None] * len(spec.members)
+        self._chunk_bytes: list[bytes | None] = [None] * m
         self._total_weight: float | None = None
+
+    def _piece(self, j: int) -> bytes:
+        a, b = self._bounds[j]
+        return self._codec.slice_payload(self._payload, self.spec.numel, a, b)
+
+    def _new_slot(self, j: int) -> _Slot:
+        m = len(self.spec.members)
+        a, b = self._bounds[j]
+        own = self._piece(j)
+        slot = _Slot(j, [None] * m, [None] * m)
+        slot.decoded[self._mine] = self._codec.decode(own, b - a)
+        slot.parts[self._mine] = Contribution(own, self._weight)
+        return slot
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -376,21 +564,32 @@ class AllReduceRound:
         """When :meth:`tick` must next be called: the earliest pending deadline, or None."""
         if self._state != "running":
             return None
-        return self._round_deadline if self._reduced_mine else self._phase_deadline
+        return self._round_deadline if self._parts_in() else self._phase_deadline
 
     @property
     def bytes_sent(self) -> int:
-        """Payload bytes of the parts and reduced chunks this member has sent."""
+        """Payload bytes of the parts, reduced chunks and evidence this member has sent."""
         return self._bytes_sent
 
     @property
     def bytes_received(self) -> int:
-        """Payload bytes of the parts and reduced chunks of this round it has received."""
+        """Payload bytes of the parts, reduced chunks and evidence of this round it has
+        received."""
         return self._bytes_received
+
+    @property
+    def verifies(self) -> int | None:
+        """The chunk this member verifies, or None when the round verifies no owner."""
+        return self._vslot.chunk if self._vslot is not None else None
+
+    def _parts_in(self) -> bool:
+        """Every part this member collects is in and has been reduced (or verified)."""
+        return self._slot.done and (self._vslot is None or self._vslot.done)
 
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Action]:
-        """Send this member's chunk ``j`` to owner ``j`` for every other member.
+        """Send this member's chunk ``j`` to owner ``j`` for every other member (and, when
+        owners are verified, to chunk ``j``'s verifier too).
 
         A group of one is done at once with its own decoded payload. Call it once;
         messages received earlier are kept.
@@ -400,19 +599,31 @@ class AllReduceRound:
         self._started = True
         if self._state != "running":
             return []
-        key, n = self.spec.key, self.spec.numel
-        if len(self.spec.members) == 1:
-            return self._finish_done([self._codec.decode(self._payload, n)])
+        key, members = self.spec.key, self.spec.members
+        if len(members) == 1:
+            return self._finish_done([self._codec.decode(self._payload, self.spec.numel)])
         out: list[Action] = []
-        for j, member in enumerate(self.spec.members):
-            if j == self._mine:
+        for j, member in enumerate(members):
+            to = [member] if j != self._mine else []
+            if self._verify and self._verifier[j] != self._mine:
+                to.append(members[self._verifier[j]])
+            if not to:
                 continue
-            a, b = self._bounds[j]
-            piece = self._codec.slice_payload(self._payload, n, a, b)
-            part = Part(key.run_id, key.fragment, key.round, self.me, j, self._weight, piece)
-            out.append(self._send(member, part))
+            part = Part(
+                key.run_id,
+                key.fragment,
+                key.round,
+                self.me,
+                j,
+                self._weight,
+                self._piece(j),
+                self._my_digests,
+            )
+            out.extend(self._send(peer, part) for peer in to)
         # Our own chunk may already be complete if every other part arrived before start.
         out.extend(self._maybe_reduce())
+        if self._state == "running":
+            out.extend(self._maybe_verify())
         return out
 
     def receive(self, msg: Message, *, now: float) -> list[Action]:
@@ -430,6 +641,11 @@ class AllReduceRound:
             return timed_out
         if isinstance(msg, Abort):
             return self._on_abort(msg)
+        if isinstance(msg, Verified):
+            return self._on_verified(msg)
+        if isinstance(msg, Evidence):
+            self._bytes_received += sum(len(p) for p in msg.payloads if isinstance(p, bytes))
+            return self._on_evidence(msg)
         self._bytes_received += len(msg.payload)
         if isinstance(msg, Part):
             return self._on_part(msg)
@@ -439,16 +655,35 @@ class AllReduceRound:
         """Enforce the deadlines: past one with the round still running, it fails."""
         if self._state != "running":
             return []
+        members = self.spec.members
         if now >= self._round_deadline:
-            missing = [self.spec.members[j] for j, c in enumerate(self._chunks) if c is None]
+            missing = [members[j] for j, c in enumerate(self._chunks) if c is None]
+            if self._verify:
+                unverified = [
+                    members[self._verifier[j]]
+                    for j, c in enumerate(self._ver_claim)
+                    if c is None and members[self._verifier[j]] not in missing
+                ]
+                if self._disputed and not missing and not unverified:
+                    j = min(self._disputed)
+                    return self._fail(
+                        f"owner {members[j]} and verifier {members[self._verifier[j]]} of "
+                        f"chunk {j} disagree and no evidence settled it by the deadline",
+                        suspects=(members[j], members[self._verifier[j]]),
+                    )
+                missing += unverified
             return self._fail(
-                f"timeout: reduced chunks of {missing} missing at the deadline",
+                f"timeout: reduced or verified chunks of {missing} missing at the deadline",
                 missing=tuple(missing),
             )
-        if not self._reduced_mine and now >= self._phase_deadline:
-            missing = [self.spec.members[j] for j, p in enumerate(self._parts) if p is None]
+        if not self._parts_in() and now >= self._phase_deadline:
+            missing = self._slot.missing(members) if not self._slot.done else []
+            if self._vslot is not None and not self._vslot.done:
+                missing += [p for p in self._vslot.missing(members) if p not in missing]
             return self._fail(
-                f"timeout: parts of {missing} for chunk {self._mine} missing",
+                f"timeout: parts of {missing} for chunk {self._mine}"
+                + (f" or {self._vslot.chunk}" if self._vslot is not None else "")
+                + " missing",
                 missing=tuple(missing),
             )
         return []
@@ -461,17 +696,27 @@ class AllReduceRound:
         if timed_out:
             return timed_out
         j = self._index[peer]
-        if self._parts[j] is None and not self._reduced_mine:
-            return self._fail(f"lost {peer} before its part for chunk {self._mine}", skip=peer)
+        for slot in (self._slot, self._vslot):
+            if slot is not None and not slot.done and slot.parts[j] is None:
+                return self._fail(f"lost {peer} before its part for chunk {slot.chunk}", skip=peer)
         if self._chunks[j] is None:
             return self._fail(f"lost {peer} before its reduced chunk {j}", skip=peer)
+        if self._verify:
+            t = self._verifier.index(j)
+            if self._ver_claim[t] is None:
+                return self._fail(f"lost {peer} before it verified chunk {t}", skip=peer)
+            if any(j in (d, self._verifier[d]) for d in self._disputed):
+                return self._fail(f"lost {peer} in a dispute over its chunk", skip=peer)
         return []
 
     # -- handlers --------------------------------------------------------------------------
     def _relevant(self, msg: Message) -> bool:
         key = self.spec.key
+        kinds = (
+            (Part, Reduced, Abort, Verified, Evidence) if self._verify else (Part, Reduced, Abort)
+        )
         return (
-            isinstance(msg, Part | Reduced | Abort)
+            isinstance(msg, kinds)
             and (msg.run_id, msg.fragment, msg.round) == (key.run_id, key.fragment, key.round)
             and msg.sender in self._index
             and msg.sender != self.me
@@ -484,27 +729,58 @@ class AllReduceRound:
     def _on_part(self, msg: Part) -> list[Action]:
         sender = msg.sender
         i = self._index[sender]
-        prev = self._parts[i]
+        if msg.chunk == self._mine:
+            slot = self._slot
+        elif self._vslot is not None and msg.chunk == self._vslot.chunk:
+            slot = self._vslot
+        else:
+            slot = None
+        prev = slot.parts[i] if slot is not None else None
         if prev is not None:
             if prev.payload == msg.payload and prev.weight == msg.weight:
                 return []  # a harmless duplicate
             return self._reject(sender, f"{sender} sent two different parts (equivocation)")
-        if msg.chunk != self._mine:
+        if slot is None:
             return self._reject(
                 sender, f"{sender} sent a part for chunk {msg.chunk} to the owner of {self._mine}"
             )
         if not _finite_positive(msg.weight):
             return self._reject(sender, f"{sender} claimed weight {msg.weight!r}")
-        a, b = self._bounds[self._mine]
+        if self._verify:
+            bad = self._commitment_error(msg, i)
+            if bad is not None:
+                return self._reject(sender, bad)
+        a, b = self._bounds[slot.chunk]
         try:
             values = self._codec.decode(msg.payload, b - a)
             if self._validator is not None:
                 self._validator(msg, values)
         except RejectedInput as e:
             return self._reject(sender, f"part of {sender} rejected: {_clip(str(e))}")
-        self._parts[i] = Contribution(bytes(msg.payload), float(msg.weight))
-        self._decoded[i] = values
-        return self._maybe_reduce()
+        slot.parts[i] = Contribution(bytes(msg.payload), float(msg.weight))
+        slot.decoded[i] = values
+        out = self._maybe_reduce() if slot is self._slot else self._maybe_verify()
+        if self._state == "running" and self._disputed:
+            out.extend(self._maybe_judge())  # the commitments a judgement waits for
+        return out
+
+    def _commitment_error(self, msg: Part, i: int) -> str | None:
+        """Why ``msg`` breaks its sender's commitments (the digest list every part of a
+        verified round carries), or None. A sender must send every member the same list
+        and weight, and each part must hash to its entry."""
+        sender, n = msg.sender, len(self.spec.members)
+        if not _digest_list(msg.digests, n):
+            return f"{sender} sent a part without its {n} part digests"
+        if msg.digests[msg.chunk] != _sha(msg.payload):
+            return f"part {msg.chunk} of {sender} does not match the digest it committed to"
+        prev, weight = self._commit[i], self._weight_of[i]
+        if (prev is not None and prev != msg.digests) or (
+            weight is not None and weight != msg.weight
+        ):
+            return f"{sender} committed to two different part lists or weights (equivocation)"
+        self._commit[i] = tuple(msg.digests)
+        self._weight_of[i] = float(msg.weight)
+        return None
 
     def _on_reduced(self, msg: Reduced) -> list[Action]:
         sender, j = msg.sender, msg.chunk
@@ -519,12 +795,69 @@ class AllReduceRound:
             return self._reject(sender, f"{sender} sent two different reduced chunks {j}")
         if not _finite_positive(msg.total_weight):
             return self._reject(sender, f"{sender} reported total weight {msg.total_weight!r}")
+        if self._verify:
+            bad = self._claim_error(msg.part_digests, j, "owner")
+            if bad is not None:
+                return self._reject(sender, bad)
         values = self._slot_of(j)
         try:
             self._codec.decode_into(msg.payload, values.size, values)
         except CodecError as e:
             return self._reject(sender, f"reduced chunk {j} of {sender}: {_clip(str(e))}")
-        return self._accept_chunk(j, bytes(msg.payload), values, float(msg.total_weight))
+        return self._accept_chunk(
+            j, bytes(msg.payload), values, float(msg.total_weight), tuple(msg.part_digests)
+        )
+
+    def _claim_error(self, digests: object, j: int, role: str) -> str | None:
+        """Why an owner's or verifier's list of chunk ``j``'s part digests is wrong, as this
+        member knows first-hand (its own part), or None."""
+        who = self.spec.members[j if role == "owner" else self._verifier[j]]
+        if not _digest_list(digests, len(self.spec.members)):
+            return f"{role} {who} of chunk {j} sent no valid list of part digests"
+        assert isinstance(digests, tuple)
+        if digests[self._mine] != self._my_digests[j]:
+            return f"{role} {who} of chunk {j} did not use {self.me}'s part"
+        return None
+
+    def _on_verified(self, msg: Verified) -> list[Action]:
+        sender, j = msg.sender, msg.chunk
+        members = self.spec.members
+        if not (isinstance(j, int) and 0 <= j < len(members)):
+            return self._reject(sender, f"{sender} verified a chunk {j!r} that does not exist")
+        if members[self._verifier[j]] != sender:
+            return self._reject(sender, f"{sender} verified chunk {j}, which it does not verify")
+        claim = _Claim(bytes(msg.digest), float(msg.total_weight), tuple(msg.part_digests))
+        prev = self._ver_claim[j]
+        if prev is not None:
+            if prev == claim:
+                return []
+            return self._reject(sender, f"{sender} sent two different verdicts on chunk {j}")
+        if not _finite_positive(msg.total_weight) or len(msg.digest) != DIGEST_BYTES:
+            return self._reject(sender, f"{sender} sent a malformed verdict on chunk {j}")
+        bad = self._claim_error(msg.part_digests, j, "verifier")
+        if bad is not None:
+            return self._reject(sender, bad)
+        self._ver_claim[j] = claim
+        return self._settle(j)
+
+    def _on_evidence(self, msg: Evidence) -> list[Action]:
+        sender, j = msg.sender, msg.chunk
+        members = self.spec.members
+        n = len(members)
+        if not (isinstance(j, int) and 0 <= j < n) or sender not in (
+            members[j],
+            members[self._verifier[j]],
+        ):
+            return self._reject(sender, f"{sender} sent evidence on chunk {j!r}, not its own")
+        if len(msg.weights) != n or len(msg.payloads) != n:
+            return self._reject(sender, f"{sender} sent evidence with {len(msg.payloads)} parts")
+        if j in self._evidence or self._settled[j]:
+            # a second piece of evidence adds nothing; a chunk settled here was confirmed by
+            # both of its checkers, one of whom is honest by assumption
+            return []
+        self._evidence[j] = msg
+        self._disputed.add(j)  # the sender says the owner and the verifier disagree
+        return self._maybe_judge()
 
     def _slot_of(self, j: int) -> F32Array:
         """Where chunk ``j`` of the average goes: a slice of the one result vector (each
@@ -535,14 +868,13 @@ class AllReduceRound:
         return self._result[a:b]
 
     # -- steps -----------------------------------------------------------------------------
-    def _maybe_reduce(self) -> list[Action]:
-        """Once every part of our chunk is in: mean in fp32, encode once, broadcast."""
-        if self._reduced_mine or not self._started or any(p is None for p in self._parts):
-            return []
-        parts = [p for p in self._parts if p is not None]
-        a, b = self._bounds[self._mine]
+    def _reduce(self, slot: _Slot) -> tuple[bytes, float, tuple[bytes, ...]] | list[Action]:
+        """Check and reduce a full slot: ``(encoded chunk, total weight, part digests)``, or
+        the failure's actions (a part refused by the group checks, an overflow)."""
+        parts = [p for p in slot.parts if p is not None]
+        a, b = self._bounds[slot.chunk]
         total = math.fsum(p.weight for p in parts)
-        rejected = self._check_group(parts)
+        rejected = self._check_group(slot, parts)
         if rejected is not None:
             return rejected
         try:
@@ -550,28 +882,65 @@ class AllReduceRound:
                 parts,
                 self._codec,
                 b - a,
-                rng=self._rng(),
-                decoded=self._decoded,
+                rng=self._rng(slot.chunk),
+                decoded=slot.decoded,
                 rule=self.spec.robust,
             )
-            values = self._slot_of(self._mine)
-            self._codec.decode_into(payload, b - a, values)
         except RejectedInput as e:  # the mean overflowed: nobody in particular is to blame
+            return self._fail(f"reduction of chunk {slot.chunk} failed: {_clip(str(e))}")
+        digests = tuple(_sha(p.payload) for p in parts) if self._verify else ()
+        return payload, total, digests
+
+    def _maybe_reduce(self) -> list[Action]:
+        """Once every part of our chunk is in: mean in fp32, encode once, broadcast."""
+        slot = self._slot
+        if slot.done or not self._started or any(p is None for p in slot.parts):
+            return []
+        reduced = self._reduce(slot)
+        if isinstance(reduced, list):
+            return reduced
+        payload, total, digests = reduced
+        if self._tamper_reduced is not None:  # a hostile owner, for tests only
+            payload = self._tamper_reduced(payload)
+        values = self._slot_of(self._mine)
+        try:
+            self._codec.decode_into(payload, values.size, values)
+        except CodecError as e:
             return self._fail(f"reduction of chunk {self._mine} failed: {_clip(str(e))}")
-        self._reduced_mine = True
+        slot.done = self._reduced_mine = True
         key = self.spec.key
-        out: list[Action] = []
-        for member in self.spec.members:
-            if member != self.me:
-                red = Reduced(
-                    key.run_id, key.fragment, key.round, self.me, self._mine, total, payload
-                )
-                out.append(self._send(member, red))
-        out.extend(self._accept_chunk(self._mine, payload, values, total))
+        red = Reduced(
+            key.run_id, key.fragment, key.round, self.me, self._mine, total, payload, digests
+        )
+        out: list[Action] = [self._send(m, red) for m in self.spec.members if m != self.me]
+        out.extend(self._accept_chunk(self._mine, payload, values, total, digests))
         return out
 
-    def _check_group(self, parts: list[Contribution]) -> list[Action] | None:
-        """The group checks of this chunk's parts (:mod:`~atoll.protocol.checks`): None when
+    def _maybe_verify(self) -> list[Action]:
+        """Once every part of the chunk we verify is in: reduce it as its owner must, and
+        announce the digest of the result to every member."""
+        slot = self._vslot
+        if slot is None or slot.done or not self._started or any(p is None for p in slot.parts):
+            return []
+        reduced = self._reduce(slot)
+        if isinstance(reduced, list):
+            return reduced
+        payload, total, digests = reduced
+        if self._tamper_verified is not None:  # a hostile verifier, for tests only
+            payload = self._tamper_verified(payload)
+        slot.done = True
+        j, key = slot.chunk, self.spec.key
+        claim = _Claim(_sha(payload), total, digests)
+        self._ver_claim[j] = claim
+        ver = Verified(
+            key.run_id, key.fragment, key.round, self.me, j, total, claim.digest, digests
+        )
+        out: list[Action] = [Send(m, ver) for m in self.spec.members if m != self.me]
+        out.extend(self._settle(j))
+        return out
+
+    def _check_group(self, slot: _Slot, parts: list[Contribution]) -> list[Action] | None:
+        """The group checks of a chunk's parts (:mod:`~atoll.protocol.checks`): None when
         every part passes, else the round fails naming the first other member that failed
         (this member's own part failing blames nobody: it cannot strike itself)."""
         checks = self.spec.checks
@@ -579,7 +948,7 @@ class AllReduceRound:
             return None
         if checks is None:  # caps only
             checks = PartChecks(norm_factor=math.inf, weight_factor=math.inf)
-        decoded = [x for x in self._decoded if x is not None]
+        decoded = [x for x in slot.decoded if x is not None]
         found = violations(
             self.spec.members, decoded, [p.weight for p in parts], checks, self._caps
         )
@@ -588,11 +957,16 @@ class AllReduceRound:
         reason = "; ".join(f"{v.peer}: {v.reason}" for v in found)
         others = [v.peer for v in found if v.peer != self.me]
         culprit = others[0] if others else None
-        reason = f"parts for chunk {self._mine} rejected: {_clip(reason)}"
+        reason = f"parts for chunk {slot.chunk} rejected: {_clip(reason)}"
         return self._fail(reason, culprit=culprit)
 
     def _accept_chunk(
-        self, j: int, payload: bytes, values: F32Array, total_weight: float
+        self,
+        j: int,
+        payload: bytes,
+        values: F32Array,
+        total_weight: float,
+        part_digests: tuple[bytes, ...] = (),
     ) -> list[Action]:
         if self._total_weight is None:
             self._total_weight = total_weight
@@ -605,22 +979,179 @@ class AllReduceRound:
             )
         self._chunk_bytes[j] = payload
         self._chunks[j] = values
-        if any(c is None for c in self._chunks):
+        if self._verify:
+            self._owner_claim[j] = _Claim(_sha(payload), total_weight, part_digests)
+            return self._settle(j)
+        return self._maybe_finish()
+
+    def _settle(self, j: int) -> list[Action]:
+        """Compare chunk ``j``'s owner's claim with its verifier's once both are in.
+
+        Agreeing, the chunk may be committed. Disagreeing, the round is lost; this member
+        knows who lied when it is one of the two (its own claim is right), and then shows
+        the parts to everybody (:class:`Evidence`); anyone else waits for that evidence.
+        """
+        owner, ver = self._owner_claim[j], self._ver_claim[j]
+        if owner is None or ver is None or self._settled[j]:
+            return []
+        if owner == ver:
+            self._settled[j] = True
+            return self._maybe_finish()
+        members = self.spec.members
+        names = (members[j], members[self._verifier[j]])
+        if owner.parts != ver.parts:
+            # The two list different parts: one of them lies, or a member gave them two
+            # different parts (each matching the commitment it gave that one). Without
+            # signed commitments nobody can prove which; nobody is named.
+            diff = [
+                members[k]
+                for k, (a, b) in enumerate(zip(owner.parts, ver.parts, strict=True))
+                if a != b
+            ]
+            return self._fail(
+                f"owner {names[0]} and verifier {names[1]} of chunk {j} list different parts "
+                f"of {diff}: one of them lies, or those members equivocated",
+                suspects=(*names, *(d for d in diff if d not in names)),
+                abort=False,  # whoever holds both claims sees it; an Abort could overtake
+                # a member's first-hand proof against the owner (its own part misused)
+            )
+        ours = {self._mine: self._slot, self._verifier.index(self._mine): self._vslot}.get(j)
+        if ours is None:
+            self._disputed.add(j)
+            return self._maybe_judge()
+        other = members[self._verifier[j]] if ours is self._slot else members[j]
+        role = "verifier" if ours is self._slot else "owner"
+        parts = [p for p in ours.parts if p is not None]
+        key = self.spec.key
+        ev = Evidence(
+            key.run_id,
+            key.fragment,
+            key.round,
+            self.me,
+            j,
+            tuple(p.weight for p in parts),
+            tuple(p.payload for p in parts),
+        )
+        out: list[Action] = [self._send(m, ev) for m in members if m not in (self.me, other)]
+        # no Abort: the evidence itself ends the round at every member, and an Abort
+        # overtaking it would leave them unable to name the liar
+        out.extend(
+            self._fail(
+                f"{role} {other} of chunk {j} disagrees with this member's own reduction",
+                culprit=other,
+                abort=False,
+            )
+        )
+        return out
+
+    def _maybe_judge(self) -> list[Action]:
+        """Judge a disputed chunk from the evidence once its claims and every commitment
+        it is checked against are in (see the module docstring)."""
+        for j in sorted(self._disputed):
+            ev = self._evidence.get(j)
+            owner, ver = self._owner_claim[j], self._ver_claim[j]
+            if ev is None or owner is None or ver is None:
+                continue
+            if any(c is None for c in self._commit):
+                continue  # a part whose commitment we check the evidence against is due
+            return self._judge(j, ev, owner, ver)
+        return []
+
+    def _judge(self, j: int, ev: Evidence, owner: _Claim, ver: _Claim) -> list[Action]:
+        members = self.spec.members
+        names = {"owner": members[j], "verifier": members[self._verifier[j]]}
+        by = "owner" if ev.sender == names["owner"] else "verifier"
+        mine = owner if by == "owner" else ver
+        shown = tuple(_sha(p) for p in ev.payloads)
+        if shown != mine.parts or ev.weights[self._mine] != self._weight:
+            return self._fail(
+                f"{by} {ev.sender} showed parts of chunk {j} other than those it claimed",
+                culprit=ev.sender,
+                abort=False,
+            )
+        for k, (d, w) in enumerate(zip(shown, ev.weights, strict=True)):
+            commit, weight = self._commit[k], self._weight_of[k]
+            assert commit is not None
+            if d != commit[j] or w != weight:
+                # either k told us another part than it gave the pair, or the evidence is
+                # forged: unsigned, nobody can tell which
+                return self._fail(
+                    f"the part of {members[k]} in {by} {ev.sender}'s evidence on chunk {j} "
+                    f"is not the one {members[k]} committed to here",
+                    abort=False,
+                    suspects=(ev.sender, members[k]),
+                )
+        slot = _Slot(
+            j,
+            [Contribution(p, float(w)) for p, w in zip(ev.payloads, ev.weights, strict=True)],
+            [None] * len(members),
+        )
+        truth = self._recompute(slot)
+        wrong = [
+            role
+            for role, claim in (("owner", owner), ("verifier", ver))
+            if truth is None or claim != truth
+        ]
+        if not wrong:  # cannot happen: the claims differ, and the truth is one value
+            wrong = [by]
+        culprit = names[wrong[0]]
+        return self._fail(
+            f"{' and '.join(f'{r} {names[r]}' for r in wrong)} of chunk {j} claimed a chunk "
+            f"that its parts do not reduce to (judged from {by} {ev.sender}'s evidence)",
+            culprit=culprit,
+            abort=False,
+            suspects=tuple(names[r] for r in wrong),
+        )
+
+    def _recompute(self, slot: _Slot) -> _Claim | None:
+        """The claim an honest owner makes on ``slot``'s parts; None when the parts
+        do not decode, fail the group checks or overflow (an honest owner fails then)."""
+        a, b = self._bounds[slot.chunk]
+        parts = [p for p in slot.parts if p is not None]
+        try:
+            for i, p in enumerate(parts):
+                slot.decoded[i] = self._codec.decode(p.payload, b - a)
+        except CodecError:
+            return None
+        checks = self.spec.checks
+        if checks is not None or self._caps is not None:
+            checks = checks or PartChecks(norm_factor=math.inf, weight_factor=math.inf)
+            decoded = [x for x in slot.decoded if x is not None]
+            if violations(
+                self.spec.members, decoded, [p.weight for p in parts], checks, self._caps
+            ):
+                return None
+        try:
+            payload = reduce_encoded(
+                parts,
+                self._codec,
+                b - a,
+                rng=self._rng(slot.chunk),
+                decoded=slot.decoded,
+                rule=self.spec.robust,
+            )
+        except RejectedInput:
+            return None
+        total = math.fsum(p.weight for p in parts)
+        return _Claim(_sha(payload), total, tuple(_sha(p.payload) for p in parts))
+
+    def _maybe_finish(self) -> list[Action]:
+        if any(c is None for c in self._chunks) or not all(self._settled):
             return []
         if self._result is not None:  # every chunk was decoded into its slice of it
             return self._finish_done([self._result])
         return self._finish_done([c for c in self._chunks if c is not None])
 
-    def _rng(self) -> np.random.Generator | None:
-        """A generator for stochastic rounding at the owner, fixed by round and chunk.
+    def _rng(self, chunk: int) -> np.random.Generator | None:
+        """A generator for stochastic rounding of chunk ``chunk``, fixed by round and chunk.
 
         Only the owner encodes a chunk's mean, so members agree whatever it draws; seeding
-        from the round makes a rerun reproducible.
+        from the round makes a rerun reproducible, and lets a verifier draw the same.
         """
         if self._codec.name != "e3m0-sr":
             return None
         key = self.spec.key
-        tag = f"{key.run_id}\0{key.fragment}\0{key.round}\0{self._mine}".encode()
+        tag = f"{key.run_id}\0{key.fragment}\0{key.round}\0{chunk}".encode()
         seed = int.from_bytes(hashlib.sha256(tag).digest()[:16], "little")
         return np.random.default_rng(seed)
 
@@ -628,6 +1159,8 @@ class AllReduceRound:
     def _send(self, to: str, msg: Message) -> Send:
         if isinstance(msg, Part | Reduced):
             self._bytes_sent += len(msg.payload)
+        elif isinstance(msg, Evidence):
+            self._bytes_sent += sum(len(p) for p in msg.payloads)
         return Send(to, msg)
 
     def _finish_done(self, chunks: list[F32Array]) -> list[Action]:
@@ -650,23 +1183,30 @@ class AllReduceRound:
         culprit: str | None = None,
         skip: str | None = None,
         missing: tuple[str, ...] = (),
+        abort: bool = True,
+        suspects: tuple[str, ...] = (),
     ) -> list[Action]:
         """Roll back: tell every other member (but ``skip``) to abort, then fail."""
         self._state = "failed"
         key = self.spec.key
-        out: list[Action] = [
-            Send(m, Abort(key.run_id, key.fragment, key.round, self.me, reason))
-            for m in self.spec.members
-            if m != self.me and m != skip
-        ]
-        out.append(Failed(reason, culprit, missing))
+        out: list[Action] = []
+        if abort:
+            out = [
+                Send(m, Abort(key.run_id, key.fragment, key.round, self.me, reason))
+                for m in self.spec.members
+                if m != self.me and m != skip
+            ]
+        out.append(Failed(reason, culprit, missing, suspects))
         self._release()
         return out
 
     def _release(self) -> None:
         """Drop the buffers: nothing of a finished round is used again."""
-        self._parts = [None] * len(self.spec.members)
-        self._decoded = [None] * len(self.spec.members)
-        self._chunks = [None] * len(self.spec.members)
-        self._chunk_bytes = [None] * len(self.spec.members)
+        m = len(self.spec.members)
+        self._slot = _Slot(self._mine, [None] * m, [None] * m, self._slot.done)
+        if self._vslot is not None:
+            self._vslot = _Slot(self._vslot.chunk, [None] * m, [None] * m, self._vslot.done)
+        self._chunks = [None] * m
+        self._chunk_bytes = [None] * m
+        self._evidence = {}
         self._result = None

@@ -25,12 +25,16 @@ SAMPLES: dict[object, object] = {
     bytes: b"\x01\x02\x03",
     tuple[str, ...]: ("peer-a", "peer-b"),
     bytes | None: b"\x09",
+    tuple[bytes, ...]: (b"\x01" * 32, b"\x02" * 32),
+    tuple[float, ...]: (1.0, 2.5),
 }
 MESSAGES = [
     Hello,
     allreduce.Part,
     allreduce.Reduced,
     allreduce.Abort,
+    allreduce.Verified,
+    allreduce.Evidence,
     matchmaking.JoinRequest,
     matchmaking.JoinAccept,
     matchmaking.Redirect,
