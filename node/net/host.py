@@ -36,12 +36,20 @@ direction between two peers has its own stream, opened lazily and then reused (a
      message, another version, a ``peer_id`` that is not the connection's): hostile or
      broken input, so the receiver resets the stream without answering and logs why;
 3. the sender writes frames; a dedicated task of the receiver drains the stream at once
-   (yamux fails a writer whose reader stalls for 5 s) through a
-   :class:`~atoll.protocol.messages.FrameDecoder` and
+   (yamux fails a writer whose reader stalls for 5 s) through
+   :func:`~atoll.node.net.transport.read_frames` and
    :func:`~atoll.protocol.messages.decode_message` into a bounded queue read by
    :meth:`AtollHost.receive`. A frame that does not decode is hostile input: the stream is
    reset. The sender of a message is the peer id of the authenticated connection, never a
    field of the message.
+
+Every incoming stream of a host charges its unfinished frames to the host's one
+:class:`~atoll.node.net.transport.FrameBudget` (``frame_budget_bytes``): a peer may
+announce a frame of ``max_frame_bytes`` and never finish it, and identities are free, so
+without a bound across peers a few dozen of them could make the process hold gigabytes.
+When the budget is full the streams holding the most are reset (see
+:mod:`atoll.node.net.transport`); a frame begun but trickled too slowly is cut off too.
+A stream that never shows its Hello is reset after ``hello_timeout_s``.
 
 A peer that does not speak :data:`ATOLL_PROTOCOL` at all (another protocol version, or
 not atoll) fails the multistream negotiation: :class:`VersionMismatch`.
@@ -109,7 +117,15 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
 from atoll.node.net import libp2p_internals
-from atoll.node.net.transport import LeanNoiseTransport, LeanYamux, tune_frames
+from atoll.node.net.transport import (
+    DEFAULT_FRAME_BUDGET_BYTES,
+    FrameBudget,
+    FrameBudgetExceeded,
+    LeanNoiseTransport,
+    LeanYamux,
+    read_frames,
+    tune_frames,
+)
 from atoll.protocol.errors import (
     AtollError,
     CodecError,
@@ -121,7 +137,6 @@ from atoll.protocol.errors import (
 from atoll.protocol.messages import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
-    FrameDecoder,
     Hello,
     decode_message,
     encode_message,
@@ -226,6 +241,10 @@ class HostConfig:
     receive_queue: int = 16
     """decoded messages held for receive(); when full, streams stop draining (and yamux
     fails their senders' writes after 5 s), so read receive() promptly"""
+    frame_budget_bytes: int = DEFAULT_FRAME_BUDGET_BYTES
+    """bytes of unfinished frames all peers' streams together may make the host hold; when
+    full, the streams holding the most are reset (raised to ``max_frame_bytes`` when
+    smaller, so one frame of the largest size always fits)"""
 
     def __post_init__(self) -> None:
         if not self.listen or not all(isinstance(a, str) for a in self.listen):
@@ -247,6 +266,9 @@ class HostConfig:
         queue = self.receive_queue
         if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
             raise ConfigError(f"HostConfig.receive_queue must be an int >= 1, not {queue!r}")
+        budget = self.frame_budget_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ConfigError(f"HostConfig.frame_budget_bytes must be an int >= 1, not {budget!r}")
 
 
 @dataclass(slots=True)
@@ -293,6 +315,8 @@ class AtollHost:
         )
         self._outgoing: dict[str, _Outgoing] = {}
         self._incoming: dict[str, INetStream] = {}
+        # one budget for every incoming stream: it bounds the process, not each peer
+        self._frame_budget = FrameBudget(max(config.frame_budget_bytes, config.max_frame_bytes))
         # Counter: reading a peer never seen gives 0 without adding it
         self._sent: Counter[str] = Counter()
         self._received: Counter[str] = Counter()
@@ -349,6 +373,12 @@ class AtollHost:
     def addrs(self) -> list[str]:
         """The multiaddrs peers can dial, each ending in ``/p2p/<peer_id>``."""
         return [str(a) for a in self._host.get_addrs()]
+
+    @property
+    def frame_budget(self) -> FrameBudget:
+        """The bytes of unfinished frames every incoming stream of this host charges
+        (``used``, ``limit``, and ``evictions``: streams reset to keep within it)."""
+        return self._frame_budget
 
     @property
     def bytes_sent(self) -> Mapping[str, int]:
@@ -720,8 +750,12 @@ class AtollHost:
             finally:
                 if self._incoming.get(peer) is stream:
                     del self._incoming[peer]
+        except FrameBudgetExceeded:
+            pass  # the budget logged its warning, naming the peer and what it held
         except CodecError as e:
             logger.warning("hostile input, stream from peer %s reset: %s", peer, e)
+        except ExchangeTimeout as e:  # a frame begun and left (nearly) unfinished
+            logger.warning("stream from peer %s reset: %s", peer, e)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             logger.debug("host closing: dropping the stream from peer %s", peer)
         except Exception as e:  # a peer must never take the host down, whatever it sends
@@ -783,31 +817,33 @@ class AtollHost:
     async def _drain(self, stream: INetStream, peer: str) -> None:
         """Read the stream as fast as it arrives; decoded messages go to the inbox.
 
-        No timeout on reads: an idle stream is normal between rounds, and nothing waits on
-        it; a dead connection ends it through libp2p. When the inbox is full this task
-        blocks, the stream stops draining and the sender's writes fail after 5 s (yamux).
+        Unfinished frames are charged to the host's :attr:`frame_budget`; a frame that
+        does not decode, a stream reset to keep within the budget and a frame trickled too
+        slowly raise (the caller logs and resets). No timeout bounds an idle stream: that
+        is normal between rounds, and nothing waits on it; a dead connection ends it
+        through libp2p. When the inbox is full this task blocks, the stream stops draining
+        and the sender's writes fail after 5 s (yamux).
         """
-        decoder = FrameDecoder(self._config.max_frame_bytes)
         max_bytes = self._config.max_frame_bytes
-        while True:
-            try:
-                data = await stream.read(_READ_CHUNK)
-            except StreamEOF:
-                data = b""
-            if not data:
-                if decoder.buffered:
-                    logger.info(
-                        "peer %s closed its stream inside a frame (%d bytes dropped)",
-                        peer,
-                        decoder.buffered,
-                    )
-                else:
-                    logger.debug("peer %s closed its stream", peer)
-                return
-            self._received[peer] += len(data)
-            for body in decoder.feed(data):  # CodecError: out of step, hostile
-                msg = decode_message(body, max_bytes=max_bytes)
-                await self._inbox.send((peer, msg))
+        received = self._received
+
+        def on_bytes(n: int) -> None:
+            received[peer] += n
+
+        async def on_frame(body: bytes) -> None:
+            msg = decode_message(body, max_bytes=max_bytes)  # CodecError: hostile
+            await self._inbox.send((peer, msg))
+
+        await read_frames(
+            stream,
+            peer=peer,
+            budget=self._frame_budget,
+            on_frame=on_frame,
+            max_bytes=max_bytes,
+            on_bytes=on_bytes,
+            read_bytes=_READ_CHUNK,
+        )
+        logger.debug("peer %s closed its stream", peer)
 
 
 @asynccontextmanager

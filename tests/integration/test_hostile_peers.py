@@ -4,18 +4,41 @@
   process never holds more than the shared :class:`FrameBudget`, the connections over it
   are reset, and an honest connection sending whole frames meanwhile loses nothing;
 - a peer trickling a frame a byte a second is cut off; one slow but steady is not, nor
-  is a stream idle between frames (trio's MockClock: no real waiting).
+  is a stream idle between frames (trio's MockClock: no real waiting);
+- the same against an :class:`~atoll.node.net.host.AtollHost` over real libp2p
+  connections: admitted peers each holding most of a large frame never make the host
+  hold more than its ``frame_budget_bytes``, and an honest peer's messages still arrive;
+  a peer that opens a stream and never says Hello is reset after ``hello_timeout_s``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import tracemalloc
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import multiaddr
 import pytest
 import trio
 import trio.testing
+from libp2p import new_host
+from libp2p.abc import INetStream
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.host.basic_host import BasicHost
+from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
 
+from atoll.node.net.host import AGENT, ATOLL_PROTOCOL, AtollHost, HostConfig, open_host
 from atoll.node.net.transport import (
     FRAME_START_S,
     MIN_FRAME_RATE,
@@ -23,8 +46,17 @@ from atoll.node.net.transport import (
     FrameBudgetExceeded,
     read_frames,
 )
-from atoll.protocol.errors import ExchangeTimeout
-from atoll.protocol.messages import frame_header
+from atoll.protocol.allreduce import Abort, Part
+from atoll.protocol.errors import ConfigError, ExchangeTimeout
+from atoll.protocol.messages import (
+    PROTOCOL_VERSION,
+    Hello,
+    decode_message,
+    encode_message,
+    frame,
+    frame_header,
+)
+from atoll.security.identity import generate
 
 pytestmark = pytest.mark.integration
 
@@ -240,3 +272,171 @@ def test_a_slow_but_steady_peer_and_an_idle_one_are_not_cut_off() -> None:
         assert budget.used == 0
 
     _mock(main)
+
+
+# -- the same against a host, over real libp2p connections ---------------------------------
+RUN = "b0d9" * 16
+
+
+@asynccontextmanager
+async def _raw_peer() -> AsyncIterator[tuple[BasicHost, str]]:
+    """A bare py-libp2p host (Noise, yamux) that speaks atoll's stream protocol by hand."""
+    kp = create_new_key_pair()
+    sec = {NOISE_PROTOCOL_ID: NoiseTransport(kp, create_new_x25519_key_pair().private_key)}
+    host = new_host(key_pair=kp, sec_opt=sec, muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux})
+    assert isinstance(host, BasicHost)
+    async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        try:
+            yield host, str(ID.from_pubkey(kp.public_key))
+        finally:
+            with trio.CancelScope(shield=True):
+                await host.close()
+
+
+async def _read_exactly(stream: INetStream, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        data = await stream.read(n - len(buf))
+        assert data, "the stream ended"
+        buf += data
+    return buf
+
+
+async def _open_stream(raw: BasicHost, node: AtollHost, hello_as: str | None) -> INetStream:
+    """A stream from ``raw`` to ``node``; when ``hello_as`` is a peer id, admitted with a
+    Hello of that peer (whose answer is read)."""
+    await raw.connect(info_from_p2p_addr(multiaddr.Multiaddr(node.addrs[0])))
+    stream = await raw.new_stream(ID.from_base58(node.peer_id), [ATOLL_PROTOCOL])
+    if hello_as is not None:
+        await stream.write(frame(encode_message(Hello(PROTOCOL_VERSION, RUN, hello_as, AGENT))))
+        size = int.from_bytes(await _read_exactly(stream, 4), "big")
+        assert isinstance(decode_message(await _read_exactly(stream, size)), Hello)
+    return stream
+
+
+async def _ended(stream: INetStream) -> None:
+    """Wait until the node resets (or closes) ``stream``; it must send nothing first."""
+    try:
+        data = await stream.read(4096)
+    except (StreamReset, StreamEOF):
+        return
+    assert not data, f"the node wrote {data!r}"
+
+
+@pytest.mark.timeout(240)
+def test_a_host_holds_no_more_than_its_frame_budget_across_peers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="atoll")
+    config = HostConfig(
+        hello_timeout_s=20,
+        send_timeout_s=60,
+        max_frame_bytes=2 * MiB,
+        frame_budget_bytes=4 * MiB,
+    )
+    attackers = 6
+    partial = frame_header(2 * MiB) + b"\xa5" * (3 * MiB // 2)  # never finished
+    reset: list[str] = []
+    ids: list[str] = []
+    peak_used = 0
+
+    async def main() -> None:
+        nonlocal peak_used
+        with trio.fail_after(200):
+            async with open_host(generate(), RUN, config) as node:
+                budget = node.frame_budget
+                charge = budget.charge
+
+                def charge_and_measure(holder: Any, nbytes: int) -> None:
+                    nonlocal peak_used
+                    try:
+                        charge(holder, nbytes)
+                    finally:
+                        peak_used = max(peak_used, budget.used)
+
+                budget.charge = charge_and_measure  # type: ignore[method-assign]
+                async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+
+                    async def attack(stream: INetStream, me: str) -> None:
+                        with contextlib.suppress(StreamReset, StreamEOF):
+                            await stream.write(partial)  # may be reset while writing
+                        await _ended(stream)
+                        reset.append(me)
+
+                    for _ in range(attackers):
+                        raw, me = await stack.enter_async_context(_raw_peer())
+                        ids.append(me)
+                        stream = await _open_stream(raw, node, me)
+                        nursery.start_soon(attack, stream, me)
+                    # every attacker's 1.5 MiB arrived: held, or its stream was reset
+                    await _until(
+                        lambda: (
+                            all(node.bytes_received[p] >= 3 * MiB // 2 for p in ids)
+                            and len(reset) >= attackers - 2
+                        ),
+                        120,
+                    )
+                    assert budget.used <= budget.limit
+                    # an honest peer meanwhile: small messages and a frame of 1 MiB
+                    async with open_host(generate(), RUN, config) as honest:
+                        assert await honest.connect(node.addrs[0]) == node.peer_id
+                        sent = [Abort(RUN, 0, i, honest.peer_id, f"m{i}") for i in range(5)]
+                        sent.append(Part(RUN, 0, 5, honest.peer_id, 1, 1.0, b"\x5a" * MiB))
+                        for msg in sent:
+                            await honest.send(node.peer_id, msg)
+                        got = [await node.receive(timeout_s=60) for _ in sent]
+                        assert got == [(honest.peer_id, msg) for msg in sent]
+                    nursery.cancel_scope.cancel()
+                assert budget.evictions >= attackers - 2
+            assert budget.used == 0  # every stream gave its share back
+
+    trio.run(main)
+    assert peak_used <= 4 * MiB
+    held = [r.getMessage() for r in caplog.records if "bytes of unfinished frames" in r.message]
+    assert len(held) >= attackers - 2
+    assert all(any(p in line for p in ids) for line in held)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_without_a_hello_is_reset_after_the_hello_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="atoll")
+    config = HostConfig(hello_timeout_s=3, send_timeout_s=20)
+
+    async def main() -> None:
+        with trio.fail_after(100):
+            async with (
+                open_host(generate(), RUN, config) as node,
+                open_host(generate(), RUN, config) as honest,
+                _raw_peer() as (raw, _),
+            ):
+                silent = await _open_stream(raw, node, None)  # opens, then says nothing
+                half = await _open_stream(raw, node, None)
+                await half.write(b"\x00\x00")  # half a frame header, then nothing
+                opened = trio.current_time()
+                # the host serves an honest peer while the two streams hang
+                assert await honest.connect(node.addrs[0]) == node.peer_id
+                first = Abort(RUN, 0, 1, honest.peer_id, "before")
+                await honest.send(node.peer_id, first)
+                assert await node.receive(timeout_s=20) == (honest.peer_id, first)
+                await _ended(silent)
+                await _ended(half)
+                waited = trio.current_time() - opened
+                # the connection of the silent peer stays up: only its streams are reset
+                assert raw.get_network().get_connections(ID.from_base58(node.peer_id))
+                later = Abort(RUN, 0, 2, honest.peer_id, "after")
+                await honest.send(node.peer_id, later)
+                assert await node.receive(timeout_s=20) == (honest.peer_id, later)
+        assert config.hello_timeout_s - 0.5 <= waited <= config.hello_timeout_s + 15
+
+    trio.run(main)
+    refusals = [r.getMessage() for r in caplog.records if "sent no Hello within 3 s" in r.message]
+    assert len(refusals) == 2, refusals
+
+
+def test_the_frame_budget_setting_is_checked() -> None:
+    assert HostConfig().frame_budget_bytes == 256 * MiB
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match="frame_budget_bytes"):
+            HostConfig(frame_budget_bytes=bad)  # type: ignore[arg-type]
