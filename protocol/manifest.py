@@ -26,6 +26,11 @@ Equal manifests have equal run ids: values are normalised first (an integer give
 float becomes that float, ``-0.0`` becomes ``0.0``, codec names and the corpus hash are
 lowercased), so that two spellings of the same run cannot split a swarm in two.
 
+A manifest may name its owner (``owner = "12D3KooW..."``, the peer id of the owner's key);
+a joiner then requires the owner's signature over the run id next to the manifest
+(:mod:`atoll.security.manifest_sig`, ``atoll manifest sign``). Like the ``[membership]``
+and ``[robust]`` tables, an empty owner is left out of the run id and the TOML.
+
 The outer-loop settings (H, τ, α, codec, outer optimizer, aggregation) are declared once,
 in :class:`OuterLoop`: the manifest is one (its keys are the manifest's top-level keys),
 the engine takes one, and the simulator and the demo build one from their own choices.
@@ -485,6 +490,9 @@ class RunManifest(OuterLoop):
     """transformer blocks per fragment"""
     extras: str = "own"
     """where embeddings, final norm and head go: own, first or last fragment"""
+    owner: str = ""
+    """peer id of the run owner's key; when set, a joiner requires the manifest's
+    signature by that key (``atoll manifest sign``)"""
     group: GroupSettings = field(default_factory=GroupSettings)
     """how averaging groups form"""
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -512,6 +520,11 @@ class RunManifest(OuterLoop):
                 f"corpus_sha256 must be empty or 64 hex digits, not {self.corpus_sha256!r}"
             )
         object.__setattr__(self, "corpus_sha256", digest)
+        if self.owner and not _is_ed25519_peer_id(self.owner):
+            raise ConfigError(
+                f"owner must be empty or the owner's Ed25519 peer id (12D3KooW..., as "
+                f"'atoll keygen' prints it), not {self.owner!r}"
+            )
         OuterLoop.__post_init__(self)
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, not {self.seed}")
@@ -545,12 +558,12 @@ class RunManifest(OuterLoop):
         The encoding is msgpack of ``{"manifest_version": MANIFEST_VERSION, "run": {...}}``
         with every table's keys sorted, so it depends on the values alone, not on the order
         or spelling of the TOML they came from. Any change of any field changes it. The
-        ``membership`` and ``robust`` tables are left out while they are the default
-        (public, nothing revoked; the plain mean), so the run ids of manifests written
-        before they existed stay what they were.
+        ``membership`` and ``robust`` tables and the ``owner`` key are left out while they
+        are the default (public, nothing revoked; the plain mean; no owner), so the run
+        ids of manifests written before they existed stay what they were.
         """
         run = _canonical(self)
-        for key, default in _OPTIONAL_TABLES.items():
+        for key, default in (_OPTIONAL_TABLES | _OPTIONAL_KEYS).items():
             if getattr(self, key) == default:
                 del run[key]
         document = {"manifest_version": MANIFEST_VERSION, "run": run}
@@ -607,7 +620,11 @@ class RunManifest(OuterLoop):
     def to_toml(self) -> str:
         """This manifest as TOML text; :meth:`from_toml` gives back an equal manifest."""
         lines = [f"# atoll run manifest, run id {self.run_id()}"]
-        lines += [f"{key} = {_toml_value(getattr(self, key))}" for key in _top_level_keys()]
+        lines += [
+            f"{key} = {_toml_value(getattr(self, key))}"
+            for key in _top_level_keys()
+            if key not in _OPTIONAL_KEYS or getattr(self, key) != _OPTIONAL_KEYS[key]
+        ]
         for key in _TABLES:
             table = getattr(self, key)
             if _OPTIONAL_TABLES.get(key) == table:
@@ -637,6 +654,8 @@ _OPTIONAL_TABLES: dict[str, object] = {
     "robust": RobustSettings(),
 }
 """tables left out of the run id and the TOML while they hold their defaults"""
+_OPTIONAL_KEYS: dict[str, object] = {"owner": ""}
+"""top-level keys left out of the run id and the TOML while they hold their defaults"""
 
 
 @functools.cache

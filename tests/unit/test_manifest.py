@@ -36,6 +36,7 @@ CHANGED_TOP: dict[str, Any] = {
     "H": 50,
     "blocks_per_fragment": 1,
     "extras": "first",
+    "owner": "12D3KooWEhEp2xFoSRFxbcfJQWqcfxwqM44MizWbBey19ctVX25H",
     "tau": 2,
     "alpha": 0.25,
     "codec": "int8",
@@ -92,7 +93,12 @@ def test_defaults_are_valid() -> None:
 
 
 def test_every_field_is_covered_by_the_change_tables() -> None:
-    top = {f.name for f in dataclasses.fields(RunManifest)} - {"group", "timeouts", "membership", "robust"}
+    top = {f.name for f in dataclasses.fields(RunManifest)} - {
+        "group",
+        "timeouts",
+        "membership",
+        "robust",
+    }
     assert set(CHANGED_TOP) == top
     assert set(CHANGED_GROUP) == {f.name for f in dataclasses.fields(GroupSettings)}
     assert set(CHANGED_TIMEOUTS) == {f.name for f in dataclasses.fields(Timeouts)}
@@ -426,3 +432,40 @@ def test_a_manifest_without_robust_keeps_its_run_id_and_the_table_changes_it() -
 def test_bad_robust_tables_are_refused(table: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         RunManifest.from_toml(f'name = "x"\n[robust]\n{table}\n')
+
+
+# -- owner ----------------------------------------------------------------------------------
+ORG_RUN = (
+    'name = "org-run"\nH = 50\ncodec = "e3m0"\n[membership]\nmode = "private"\n'
+    f'allowlist = ["{PEER_A}"]\n[robust]\nrule = "trimmed_mean"\n'
+)
+
+
+def test_a_manifest_without_an_owner_keeps_its_run_id_and_toml() -> None:
+    # computed with the manifest code before the owner key existed: must never change
+    m = RunManifest.from_toml(ORG_RUN)
+    assert m.run_id() == "f80a25ebefba75702f519bcdd900103099f02ca13f8225b20066d73777e6aa04"
+    assert RunManifest(name="x").run_id() == (
+        "aa4754755ebc1f91065ddeccf80bf42e0a52366552c8c432b4a0472e9b22bbcf"
+    )
+    assert "owner" not in m.to_toml()
+    explicit = RunManifest.from_toml('owner = ""\n' + ORG_RUN)
+    assert explicit == m and explicit.run_id() == m.run_id()
+
+
+def test_the_owner_changes_the_run_id_and_round_trips() -> None:
+    plain = RunManifest.from_toml(ORG_RUN)
+    owned = RunManifest.from_toml(f'owner = "{PEER_B}"\n' + ORG_RUN)
+    other = dataclasses.replace(plain, owner=PEER_A)
+    assert owned.owner == PEER_B
+    assert len({plain.run_id(), owned.run_id(), other.run_id()}) == 3
+    again = RunManifest.from_toml(owned.to_toml())
+    assert again == owned and again.run_id() == owned.run_id()
+    assert f'owner = "{PEER_B}"' in owned.to_toml()
+
+
+@pytest.mark.parametrize("owner", ["alice", "ab" * 32, PEER_A[:-1], 7])
+def test_an_owner_that_is_not_a_peer_id_is_refused(owner: object) -> None:
+    value = f'"{owner}"' if isinstance(owner, str) else str(owner)
+    with pytest.raises(ConfigError, match="owner"):
+        RunManifest.from_toml(f'name = "x"\nowner = {value}\n')
