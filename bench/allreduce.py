@@ -40,6 +40,19 @@ The JSON report holds, per round:
   true mean computed in float64 by the parent from the same seeds (``max_abs_error``:
   over all rounds).
 
+``--verify-owners`` measures instead what verified chunk owners
+(:attr:`~atoll.protocol.allreduce.RoundSpec.verify_owners`) cost against the plain round,
+side by side in one run, for each group size of ``--verify-peers`` (default 4 and 8). The
+members run in this one process (their round machines driven by a FIFO queue, every
+message encoded with the wire codec), so the figures are the protocol's own, without a
+network: per round and mode, ``wire_bytes_sent_per_member`` (frames, headers included,
+mean over members), ``payload_bytes_sent_per_member``, ``messages_per_member``,
+``busy_s_max`` (the largest time one member spent in its machine: slicing, hashing,
+decoding, reducing, verifying, encoding) and ``wall_s`` (the whole round, every member's
+work one after another on one thread)::
+
+    python bench/allreduce.py --verify-owners --mb 16 --rounds 3 --codec e3m0 --json v.json
+
 The workers speak JSON lines with the parent on their stdin and stdout; their logs go to
 files in a temporary folder, named when something fails.
 """
@@ -708,6 +721,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--hivemind-python",
         help=f"Python with hivemind (default {HIVEMIND_VENV_PYTHON} if present, else this one)",
     )
+    p.add_argument(
+        "--verify-owners",
+        action="store_true",
+        help="in process: plain vs verified chunk owners, side by side",
+    )
+    p.add_argument(
+        "--verify-peers",
+        default="4,8",
+        help="group sizes for --verify-owners, comma-separated (default 4,8)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
     # worker mode (the parent starts this file with these)
     p.add_argument("--worker", choices=["atoll", "hivemind"], help=argparse.SUPPRESS)
@@ -733,7 +756,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--codec must be one of {', '.join(CODECS)}, not {args.codec!r}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         p.error(f"--timeout must be a positive number of seconds, not {args.timeout}")
+    try:
+        args.verify_peers = [int(x) for x in str(args.verify_peers).split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--verify-peers must be comma-separated integers, not {args.verify_peers!r}")
+    if not args.verify_peers or not all(2 <= n <= 64 for n in args.verify_peers):
+        p.error("--verify-peers sizes must lie between 2 and 64")
     if args.worker is None:
+        if args.verify_owners and args.compare_hivemind:
+            p.error("--verify-owners runs in process and cannot --compare-hivemind")
         if args.json is not None and args.json.is_dir():
             p.error(f"--json {args.json} is a directory")
         if args.compare_hivemind:
@@ -766,6 +797,132 @@ def _check_hivemind(p: _Parser, python: str | None) -> str:
 
 
 # --------------------------------------------------------------------------------------
+# verified chunk owners, in process
+# --------------------------------------------------------------------------------------
+def verify_round(peers: int, numel: int, codec: str, seed: int, round_: int, verify: bool) -> Msg:
+    """One in-process round of ``peers`` members, plain or with verified owners."""
+    from collections import deque
+
+    from atoll.protocol.allreduce import AllReduceRound, Done, RoundKey, RoundSpec, Send
+    from atoll.protocol.messages import decode_message, encode_message
+
+    members = tuple(f"peer{i}" for i in range(peers))
+    spec = RoundSpec(
+        RoundKey("bench-verify", 0, round_), members, numel, codec, verify_owners=verify
+    )
+    c = spec.make_codec()
+    payloads = [c.encode(peer_data(seed, i, numel)) for i in range(peers)]
+    busy = dict.fromkeys(members, 0.0)
+    wire = dict.fromkeys(members, 0)
+    count = dict.fromkeys(members, 0)
+    results: dict[str, object] = {}
+    queue: deque[tuple[str, object]] = deque()
+    wall0 = time.perf_counter()
+    machines = {}
+    for i, m in enumerate(members):
+        t0 = time.perf_counter()
+        machines[m] = AllReduceRound(
+            spec, m, payloads[i], 1.0, now=0.0, phase_timeout=1e9, round_timeout=1e9
+        )
+        busy[m] += time.perf_counter() - t0
+
+    def handle(src: str, actions: list[Any]) -> None:
+        for act in actions:
+            if isinstance(act, Send):
+                raw = encode_message(act.message)
+                wire[src] += 4 + len(raw)  # a frame: a 4-byte length, then the message
+                count[src] += 1
+                queue.append((act.to, raw))
+            else:
+                results[src] = act
+
+    for m in members:
+        t0 = time.perf_counter()
+        out = machines[m].start()
+        busy[m] += time.perf_counter() - t0
+        handle(m, out)
+    while queue:
+        to, raw = queue.popleft()
+        t0 = time.perf_counter()
+        msg = decode_message(raw)
+        out = machines[to].receive(msg, now=0.0)  # type: ignore[arg-type]
+        busy[to] += time.perf_counter() - t0
+        handle(to, out)
+    wall = time.perf_counter() - wall0
+    if not all(isinstance(results.get(m), Done) for m in members):
+        raise BenchError(f"an in-process round failed: {results}")
+    return {
+        "wall_s": wall,
+        "busy_s_max": max(busy.values()),
+        "wire_bytes_sent_per_member": statistics.mean(wire.values()),
+        "payload_bytes_sent_per_member": statistics.mean(machines[m].bytes_sent for m in members),
+        "messages_per_member": statistics.mean(count.values()),
+    }
+
+
+def run_verify(args: argparse.Namespace) -> Msg:
+    """Plain and verified rounds side by side for every size of ``--verify-peers``."""
+    from atoll.protocol.codecs import make_codec
+
+    numel = numel_of(args.mb)
+    encoded = make_codec(args.codec).encoded_size(numel)
+    report: Msg = {
+        "mode": "verify-owners, in process",
+        "config": {"mb": args.mb, "numel": numel, "rounds": args.rounds, "seed": args.seed},
+        "codec": args.codec,
+        "encoded_bytes": encoded,
+        "machine": machine_info(),
+        "groups": {},
+    }
+    for n in args.verify_peers:
+        group: Msg = {}
+        for name, verify in (("plain", False), ("verified", True)):
+            rounds = [
+                verify_round(n, numel, args.codec, args.seed, r, verify) for r in range(args.rounds)
+            ]
+            side: Msg = {k: [r[k] for r in rounds] for k in rounds[0]}
+            side["median_wall_s"] = statistics.median(side["wall_s"])
+            side["median_busy_s_max"] = statistics.median(side["busy_s_max"])
+            group[name] = side
+        p, v = group["plain"], group["verified"]
+        group["ratios"] = {
+            "wire_bytes": v["wire_bytes_sent_per_member"][0] / p["wire_bytes_sent_per_member"][0],
+            "busy_s_max": v["median_busy_s_max"] / p["median_busy_s_max"],
+            "wall_s": v["median_wall_s"] / p["median_wall_s"],
+        }
+        group["predicted_payload_bytes"] = {
+            "plain": 2 * (n - 1) * encoded / n,
+            "verified": 3 * (n - 1) * encoded / n,
+        }
+        report["groups"][str(n)] = group
+    report["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    return report
+
+
+def verify_table(report: Msg) -> str:
+    """The human summary of a ``--verify-owners`` report."""
+    lines = [
+        f"verified owners, {report['codec']}, {report['config']['mb']} MiB, "
+        f"{report['config']['rounds']} rounds (medians)",
+        f"{'peers':>5} {'mode':>9} {'MB sent':>8} {'msgs':>5} {'busy s':>7} {'wall s':>7}",
+    ]
+    for n, g in report["groups"].items():
+        for name in ("plain", "verified"):
+            s = g[name]
+            lines.append(
+                f"{n:>5} {name:>9} {s['wire_bytes_sent_per_member'][0] / 1e6:>8.2f} "
+                f"{s['messages_per_member'][0]:>5.0f} {s['median_busy_s_max']:>7.3f} "
+                f"{s['median_wall_s']:>7.3f}"
+            )
+        r = g["ratios"]
+        lines.append(
+            f"{n:>5} {'ratio':>9} {r['wire_bytes']:>8.3f} {'':>5} {r['busy_s_max']:>7.3f} "
+            f"{r['wall_s']:>7.3f}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
@@ -777,6 +934,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.verify_owners:
+        try:
+            vreport = run_verify(args)
+        except BenchError as e:
+            print(f"allreduce.py: error: {e}", file=sys.stderr)
+            return 1
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(vreport, indent=2) + "\n")
+        print(verify_table(vreport))
+        return 0
     from atoll.protocol.codecs import make_codec
 
     numel = numel_of(args.mb)

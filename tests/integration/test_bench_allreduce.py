@@ -59,3 +59,21 @@ def test_bench_allreduce_rejects_bad_arguments() -> None:
     )
     assert done.returncode == 2
     assert done.stderr.strip() == "allreduce.py: error: --peers must be between 2 and 64, not 1"
+
+
+@pytest.mark.timeout(120)
+def test_bench_allreduce_verify_owners_costs_one_more_reduce_scatter(tmp_path: Path) -> None:
+    out = tmp_path / "verify.json"
+    argv = [sys.executable, str(SCRIPT), "--verify-owners", "--verify-peers", "3,4"]
+    argv += ["--mb", "0.25", "--rounds", "1", "--codec", "e3m0", "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=110, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "verified" in done.stdout
+    report = json.loads(out.read_text())
+    assert set(report["groups"]) == {"3", "4"}
+    for n, group in report["groups"].items():
+        predicted = group["predicted_payload_bytes"]
+        for mode in ("plain", "verified"):
+            assert group[mode]["payload_bytes_sent_per_member"] == [predicted[mode]]
+        assert group["verified"]["messages_per_member"] == [4 * (int(n) - 1)]
+        assert group["ratios"]["wire_bytes"] == pytest.approx(1.5, rel=0.05)
