@@ -211,6 +211,7 @@ def run_node(
                 "seed": manifest.seed,
                 "wait_peers": cfg.wait_peers,
                 "fault": cfg.fault,
+                "attack": cfg.attack,
                 "cert_file": cfg.cert,
             }
             with (

@@ -239,6 +239,10 @@ class NodeConfig:
     fault: str = ""
     """fault injection for tests (kill:POINT:FRAGMENT:SLOT, usually from ATOLL_FAULT):
     the network process kills itself at that point of that round; no command-line flag"""
+    attack: str = ""
+    """attack injection for benchmarks and tests (nan, huge, signflip, scaled:K, noise,
+    alie, weight:K, stale, forge, equivocate; usually from ATOLL_ATTACK): this node lies
+    on purpose (atoll.node.net.attacks)"""
 
     def __post_init__(self) -> None:
         if not self.run.strip():
@@ -251,6 +255,9 @@ class NodeConfig:
             raise ConfigError(f"progress must be one of {PROGRESS_MODES}, not {self.progress!r}")
         if not self.listen_addrs():
             raise ConfigError("a node needs at least one --listen multiaddr")
+        from atoll.node.net.attacks import parse_attack  # checked here, used by the worker
+
+        parse_attack(self.attack)
 
     def join_addrs(self) -> tuple[str, ...]:
         """``join`` split at commas, blanks dropped."""

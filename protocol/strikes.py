@@ -8,6 +8,11 @@ broken (docs/DESIGN.md, "Strikes and bans"):
   round's :attr:`~atoll.protocol.allreduce.Failed.culprit`);
 - ``equivocation``: the peer sent two different parts for one chunk of one round (the
   round names it as culprit, with a reason saying so);
+- ``part`` too when the peer's own :class:`~atoll.protocol.allreduce.Abort` names its
+  own part as the one rejected (:func:`self_accused`): a hostile owner that checks its
+  chunk first aborts the round before the honest owners got every part, and its abort
+  is the only proof they get. An abort naming *another* peer is hearsay and strikes
+  nobody (a liar could frame honest peers that way);
 - ``forged``: the peer's own signed record declares a state far past anything
   certified (more than one version past what this node believes: no honest commit is);
 - ``uncertified``: the peer declared a state whose certificate did not appear within
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +53,7 @@ from typing import Literal, TypeAlias
 
 from atoll.protocol.errors import ConfigError
 
-__all__ = ["WEIGHTS", "Ban", "Reason", "Strike", "Strikes", "reason_of_failure"]
+__all__ = ["WEIGHTS", "Ban", "Reason", "Strike", "Strikes", "reason_of_failure", "self_accused"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +108,26 @@ def reason_of_failure(reason: str) -> Reason:
     """The strike reason of a round that failed naming a culprit: ``equivocation`` when
     the round's reason says so, else ``part``."""
     return "equivocation" if "equivocation" in reason else "part"
+
+
+_ABORTED = re.compile(r"aborted by (\S+): (.*)", re.DOTALL)
+
+
+def self_accused(reason: str) -> str | None:
+    """The peer whose abort, quoted in a failed round's ``reason``, names its own part as
+    rejected (``aborted by X: parts for chunk j rejected: X: ...``, or ``... part of X
+    rejected ...``), else None."""
+    m = _ABORTED.match(reason)
+    if m is None:
+        return None
+    peer, rest = m[1], m[2]
+    if rest.startswith("parts for chunk ") and re.search(
+        rf"(?:rejected: |; ){re.escape(peer)}: ", rest
+    ):
+        return peer
+    if rest.startswith(f"part of {peer} rejected"):
+        return peer
+    return None
 
 
 class Strikes:

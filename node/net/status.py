@@ -88,6 +88,12 @@ class NodeStatus:
     """(fragment, version, digest, round) after every applied round and rebase"""
     outcomes: tuple[Outcome, ...] = ()
     """(fragment, version, round status, seconds, rebased) of every sync"""
+    banned: tuple[str, ...] = ()
+    """the peers banned now (:class:`~atoll.protocol.strikes.Strikes`)"""
+    strikes: int = 0
+    """strikes this node gave so far, all peers"""
+    bans: int = 0
+    """bans this node gave so far, all peers"""
 
     # -- wire ----------------------------------------------------------------------------
     def to_wire(self) -> dict[str, Any]:
@@ -117,6 +123,9 @@ class NodeStatus:
             "versions": list(self.versions),
             "history": [list(h) for h in self.history],
             "outcomes": [list(o) for o in self.outcomes],
+            "banned": list(self.banned),
+            "strikes": self.strikes,
+            "bans": self.bans,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -247,4 +256,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "versions": _tuple_of(_int),
     "history": _tuple_of(_record(_int, _int, _str, _str)),
     "outcomes": _tuple_of(_record(_int, _int, _str, _float, _bool)),
+    "banned": _tuple_of(_str),
+    "strikes": _int,
+    "bans": _int,
 }

@@ -19,7 +19,16 @@ each do one job:
   verifier) and :class:`~atoll.node.net.publisher.AttestationPublisher` (this member's
   attestation of each committed round, sealed with its identity, in the DHT);
   :attr:`_Node.on_uncertified` hears of peers that declare a state no certificate
-  vouches for (counted in :attr:`_Node.uncertified`; bans build on it);
+  vouches for (counted in :attr:`_Node.uncertified`, and struck);
+- strikes and bans (:class:`~atoll.protocol.strikes.Strikes`): the syncer strikes the
+  culprit of a failed round, :meth:`_Node._uncertified` a declaration of an uncertified
+  state (``forged`` when it is more than one version past everything believed, else a
+  weak ``uncertified``); banned peers are not grouped with, followed or counted;
+  :class:`~atoll.node.net.publisher.EvidenceExchange` publishes the signed record of a
+  banned forger and judges the others' evidence;
+- attack injection for benchmarks and tests (``attack``,
+  :mod:`atoll.node.net.attacks`): the syncer's tamper, an equivocating transport, a
+  forged record;
 - :class:`~atoll.node.net.tally.SyncTally` and the :class:`~atoll.node.net.status.
   NodeStatus` sent to the trainer every second (:func:`~atoll.node.net.bridge.post_status`).
 
@@ -49,13 +58,19 @@ from atoll.dht.kad import AtollDHT
 from atoll.dht.records import PeerRecord
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
+from atoll.node.net.attacks import Attack, EquivocatingTransport, forged_versions, parse_attack
 from atoll.node.net.bridge import Settled, SharedFragments, SyncOutcome, post_status, serve
 from atoll.node.net.certwatch import watch_certificates
 from atoll.node.net.faults import parse_fault
 from atoll.node.net.host import AGENT, AtollHost, HostConfig, open_host
 from atoll.node.net.join import JoinFailed, join_swarm
 from atoll.node.net.peers import PeerTracker
-from atoll.node.net.publisher import RECORD_TTL_S, AttestationPublisher, RecordPublisher
+from atoll.node.net.publisher import (
+    RECORD_TTL_S,
+    AttestationPublisher,
+    EvidenceExchange,
+    RecordPublisher,
+)
 from atoll.node.net.rounds import Mailbox
 from atoll.node.net.status import NodeStatus
 from atoll.node.net.syncer import FaultHook, Syncer
@@ -67,6 +82,7 @@ from atoll.protocol.errors import ConfigError
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import RunManifest
 from atoll.protocol.schedule import Schedule
+from atoll.protocol.strikes import Strikes
 from atoll.security.identity import load_or_create
 
 __all__ = ["JoinFailed", "join_swarm", "swarm_worker"]
@@ -98,7 +114,10 @@ class _Node:
         liveness: Liveness,
         signer: EnvelopeSigner,
         verifier: EnvelopeVerifier,
+        attack: Attack | None = None,
     ) -> None:
+        self.attack = attack
+        """this node's attack (benchmarks and tests; None: an honest node)"""
         self.shared = shared
         self.outbox = outbox
         self.host = host
@@ -111,7 +130,9 @@ class _Node:
         self.uncertified: Counter[str] = Counter()
         """per peer: declarations of states no certificate vouched for"""
         self.on_uncertified: Callable[[str, int, int], None] | None = None
-        """``(peer, fragment, version)``, after the count (a ban policy hooks in here)"""
+        """``(peer, fragment, version)``, after the count and the strike"""
+        self.strikes = Strikes(clock=trio.current_time)
+        """who this node struck and banned (see protocol/strikes.py)"""
         self.beliefs = CertifiedStates(
             self.run_id,
             quorum=manifest.group.min_quorum,
@@ -130,6 +151,7 @@ class _Node:
             addresses=host,
             liveness=liveness,
             beliefs=self.beliefs,
+            banned=self.strikes.banned,
         )
         self.attester = AttestationPublisher(
             dht, signer, peer_id=host.peer_id, wall=self.clock.wall, held=self._held
@@ -141,7 +163,7 @@ class _Node:
             liveness=liveness,
         )
         self.syncer = Syncer(
-            transport=host,
+            transport=EquivocatingTransport(host) if attack and attack.equivocates else host,
             mailbox=self.mailbox,
             board=dht,
             engine=engine,
@@ -156,7 +178,22 @@ class _Node:
             attestations=dht,
             attest=self.attester.submit,
             robust=manifest.robust,
+            strikes=self.strikes,
+            tamper=attack.tamper if attack is not None else None,
         )
+        self.evidence = EvidenceExchange(
+            dht,
+            peer_id=host.peer_id,
+            run_id=self.run_id,
+            wall=self.clock.wall,
+            verifier=verifier,
+            strikes=self.strikes,
+            beliefs=self.beliefs,
+            held=self._held,
+            sealed_of=dht.sealed_peer_record,
+            attestations=dht,
+        )
+        self.strikes.on_ban = self.evidence.on_ban
         self._changes = 0  # commits and imports so far: a record is due after each
         self.training = True
         """False once the trainer stopped (published in the record)"""
@@ -178,6 +215,11 @@ class _Node:
 
     def _uncertified(self, peer: str, p: int, version: int) -> None:
         self.uncertified[peer] += 1
+        # more than one version past everything believed: no honest commit is (forged);
+        # else an honest member of a round short of its quorum may hold it (weak)
+        reach = max(self.beliefs.top(p), self.engine.version(p)) + 1
+        reason = "forged" if version > reach else "uncertified"
+        self.strikes.strike(peer, reason, f"declares fragment {p} version {version} uncertified")
         if self.on_uncertified is not None:
             self.on_uncertified(peer, p, version)
 
@@ -300,14 +342,18 @@ class _Node:
     async def _record(self) -> PeerRecord:
         def build() -> PeerRecord:
             now = self.clock.wall()
+            versions = self._versions()
+            digests = tuple(self.engine.digest(p) for p in range(len(self.shared)))
+            if self.attack is not None and self.attack.forges:
+                versions, digests = forged_versions(len(versions), len(digests[0]))
             return PeerRecord(
                 self.host.peer_id,
                 self.run_id,
                 tuple(a.rsplit("/p2p/", 1)[0] for a in self.host.addrs)[:8],
                 AGENT,
                 float(self.tokens_per_s),
-                self._versions(),
-                tuple(self.engine.digest(p) for p in range(len(self.shared))),
+                versions,
+                digests,
                 True,
                 now,
                 now + RECORD_TTL_S,
@@ -337,6 +383,9 @@ class _Node:
                 "bytes_up": sum(sent.values()),
                 "bytes_down": sum(received.values()),
                 "versions": self._versions(),
+                "banned": self.strikes.banned_peers(),
+                "strikes": self.strikes.total,
+                "bans": self.strikes.bans_total,
                 **changes,
             }
         )
@@ -365,13 +414,15 @@ async def swarm_worker(
     wait_peers: int = 0,
     fault: str = "",
     cert_file: str = "",
+    attack: str = "",
 ) -> None:
     """The network process of a swarm node (see the module docstring).
 
     ``shared`` holds the initial global copies (written by the trainer). Before reporting
     ready it joins the swarm and catches up; the status then carries ``start_step``,
     ``peer_id`` and ``addrs``. ``fault`` is a test's fault injection
-    (:func:`~atoll.node.net.faults.parse_fault`).
+    (:func:`~atoll.node.net.faults.parse_fault`), ``attack`` a benchmark's or test's
+    attack injection (:func:`~atoll.node.net.attacks.parse_attack`).
     """
     if manifest.aggregation != "mean":
         raise ConfigError(
@@ -379,6 +430,9 @@ async def swarm_worker(
             "averages with 'mean'"
         )
     fault_hook = parse_fault(fault)
+    hostile = parse_attack(attack)
+    if hostile is not None:
+        logger.warning("attack injection: this node runs the attack %r", attack)
     identity = load_or_create(identity_file)
     config = manifest.engine_config()
     engine = OuterEngine(
@@ -422,8 +476,10 @@ async def swarm_worker(
             liveness=liveness,
             signer=signer,
             verifier=verifier,
+            attack=hostile,
         )
         nursery.start_soon(node.mailbox.run)
+        nursery.start_soon(node.evidence.run)
         nursery.start_soon(node.attester.run)
 
         def on_suspect(peer: str, failures: int) -> None:

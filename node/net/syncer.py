@@ -31,7 +31,8 @@ AttestationPublisher`).
 
 Strikes and bans. With :attr:`Syncer.strikes` (the node's
 :class:`~atoll.protocol.strikes.Strikes`), a round that failed naming a culprit strikes it
-(``part``, or ``equivocation`` when the round says so), matchmaking leaves banned peers
+(``part``, or ``equivocation`` when the round says so; also a peer whose own abort
+names its own part), matchmaking leaves banned peers
 out, and the declarations a slot showed of banned peers are not followed.
 :attr:`Syncer.tamper` is attack injection (benchmarks and tests): see
 :class:`~atoll.protocol.sync.FragmentSync`.
@@ -71,7 +72,7 @@ from atoll.protocol.certificate import Attestation
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
 from atoll.protocol.manifest import RobustSettings, Timeouts
-from atoll.protocol.strikes import Strikes, reason_of_failure
+from atoll.protocol.strikes import Strikes, reason_of_failure, self_accused
 
 __all__ = ["FaultHook", "Offload", "SyncReport", "Syncer", "answer_bound", "inline"]
 
@@ -295,18 +296,25 @@ class Syncer:
                 )
                 if report is not None:
                     report.traffic = traffic
-                if isinstance(result, ar.Failed) and result.culprit and self.strikes is not None:
-                    key = action.spec.key
-                    self.strikes.strike(
-                        result.culprit,
-                        reason_of_failure(result.reason),
-                        f"fragment {key.fragment} round {key.round}: {result.reason[:200]}",
-                    )
+                if isinstance(result, ar.Failed) and self.strikes is not None:
+                    self._strike(action.spec.key, result)
                 holdings = await self._holdings(machine.fragment, seen)
                 action = await self.engine_call(machine.reduced, result, holdings)
                 self._log_slot(action, machine, seen)
             else:
                 action = await self._fetch(machine, action)
+
+    def _strike(self, key: ar.RoundKey, failed: ar.Failed) -> None:
+        """Strike the culprit of a failed round: the peer whose part this node rejected,
+        or one whose own abort names its own part (see :mod:`atoll.protocol.strikes`)."""
+        assert self.strikes is not None
+        culprit = failed.culprit or self_accused(failed.reason)
+        if culprit and culprit != self.transport.peer_id:
+            self.strikes.strike(
+                culprit,
+                reason_of_failure(failed.reason),
+                f"fragment {key.fragment} round {key.round}: {failed.reason[:200]}",
+            )
 
     async def _find_group(
         self, me: mm.Declaration, seen: dict[str, tuple[int, str]]

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from atoll.protocol.errors import ConfigError
-from atoll.protocol.strikes import Ban, Strikes, reason_of_failure
+from atoll.protocol.strikes import Ban, Strikes, reason_of_failure, self_accused
 
 
 class Clock:
@@ -72,6 +72,18 @@ def test_bans_end_double_on_repeat_and_are_bounded() -> None:
 def test_reasons_of_a_failed_round() -> None:
     assert reason_of_failure("x sent two different parts (equivocation)") == "equivocation"
     assert reason_of_failure("parts for chunk 1 rejected: x: norm") == "part"
+
+
+def test_an_abort_naming_its_own_sender_is_a_confession_and_others_are_hearsay() -> None:
+    own = "aborted by X: parts for chunk 0 rejected: X: chunk norm 3.8e+05 exceeds 10 x"
+    assert self_accused(own) == "X"
+    both = "aborted by X: parts for chunk 0 rejected: Y: weight; X: chunk norm too large"
+    assert self_accused(both) == "X"
+    assert self_accused("aborted by X: part of X rejected: e3m0: invalid block scale") == "X"
+    assert self_accused("aborted by X: parts for chunk 0 rejected: Y: norm") is None
+    assert self_accused("aborted by X: part of Y rejected: NaN") is None
+    assert self_accused("aborted by X: parts for chunk 0 rejected: XY: norm") is None
+    assert self_accused("lost X before its part for chunk 1") is None
 
 
 def test_memory_is_bounded_and_bans_are_kept_longest() -> None:
