@@ -11,6 +11,8 @@ Subcommands (more come with the swarm):
 - ``atoll keygen PATH``: a new Ed25519 key file (a node's identity, or an organisation's
   key); prints its peer id and public key.
 - ``atoll org issue``: a member certificate for a peer, signed by an organisation key.
+- ``atoll manifest sign --key OWNER_KEY run.toml``: the run owner's signature of a manifest
+  (``run.toml.sig``); ``atoll manifest verify run.toml`` checks it as a joiner does.
 - ``atoll version``.
 
 Errors atoll raises on purpose are printed as one line (``atoll: error: ...``), never as
@@ -226,18 +228,57 @@ def _cmd_org_issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_manifest_sign(args: argparse.Namespace) -> int:
+    from atoll.protocol.manifest import RunManifest
+    from atoll.security.identity import load_or_create
+    from atoll.security.manifest_sig import write_signature
+
+    key = Path(args.key).expanduser()
+    if not key.is_file():
+        raise ConfigError(f"owner key {key} not found (make one with: atoll keygen PATH)")
+    path = Path(args.manifest).expanduser()
+    manifest = RunManifest.load(path)
+    owner = load_or_create(key)
+    out = write_signature(owner, manifest, path, args.out)
+    print(f"signature: {out}")
+    print(f"run:       {manifest.name!r}, run id {manifest.run_id()}")
+    print(f"signed by: {owner.peer_id}")
+    if not manifest.owner:
+        print(
+            f"note: the manifest names no owner, so joiners do not require this signature; "
+            f'add owner = "{owner.peer_id}" to it (a new run id), then sign again'
+        )
+    return 0
+
+
+def _cmd_manifest_verify(args: argparse.Namespace) -> int:
+    from atoll.protocol.manifest import RunManifest
+    from atoll.security.manifest_sig import check_manifest_signature
+
+    path = Path(args.manifest).expanduser()
+    manifest = RunManifest.load(path)
+    check = check_manifest_signature(manifest, path, args.sig)
+    print(f"{path}: run {manifest.name!r} ({manifest.run_id()[:12]}): {check.describe()}")
+    return 0
+
+
 def _cmd_node(args: argparse.Namespace) -> int:
     from atoll.node.daemon import ProgressPrinter, run_node
     from atoll.node.settings import check_own_membership, read_certificate_file
     from atoll.protocol.manifest import RunManifest
     from atoll.security.identity import load_or_create
+    from atoll.security.manifest_sig import check_manifest_signature
 
     toml = load_toml(args.config, "node") if args.config else None
     _join_address_lists(args, toml, ("join", "listen"))
     cfg = build_config(NodeConfig, args, toml)
+    manifest_path = Path(cfg.run).expanduser()
+    manifest = RunManifest.load(manifest_path)
+    # a manifest naming its owner is trusted only with the owner's signature next to it
+    signature = check_manifest_signature(manifest, manifest_path)
+    print(f"atoll node: {signature.describe()}", file=sys.stderr, flush=True)
     # a node its run's membership refuses is stopped here, with the reason, rather than
     # refused by every peer it dials
-    manifest = RunManifest.load(Path(cfg.run).expanduser())
     identity = load_or_create(Path(cfg.identity).expanduser())
     certificate = read_certificate_file(cfg.cert) if cfg.cert else None
     check_own_membership(manifest, identity.peer_id, certificate)
@@ -436,6 +477,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     org_issue.add_argument("--out", required=True, metavar="CERT", help="file to write")
     org_issue.set_defaults(func=_cmd_org_issue)
+
+    man = sub.add_parser("manifest", help="a run manifest's owner signature")
+    man_sub = man.add_subparsers(dest="manifest_command", required=True)
+    man_sign = man_sub.add_parser(
+        "sign",
+        help="sign a run manifest with the run owner's key",
+        description=(
+            "Sign the manifest's run id with the owner's key and write MANIFEST.sig next to "
+            "it (replacing an older one). A node refuses a manifest that names an owner "
+            "(owner = PEER_ID) without a valid signature by that owner. Hand the .sig file "
+            "out with the manifest."
+        ),
+    )
+    man_sign.add_argument("--key", required=True, metavar="OWNER_KEY", help="owner key file")
+    man_sign.add_argument("--out", metavar="PATH", help="write here (default: MANIFEST.sig)")
+    man_sign.add_argument("manifest", metavar="MANIFEST", help="the run manifest (TOML)")
+    man_sign.set_defaults(func=_cmd_manifest_sign)
+    man_verify = man_sub.add_parser(
+        "verify",
+        help="check a run manifest's signature as a joining node does",
+    )
+    man_verify.add_argument("--sig", metavar="PATH", help="the signature (default: MANIFEST.sig)")
+    man_verify.add_argument("manifest", metavar="MANIFEST", help="the run manifest (TOML)")
+    man_verify.set_defaults(func=_cmd_manifest_verify)
 
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda _a: print(version("atoll")) or 0)
