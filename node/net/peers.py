@@ -197,16 +197,15 @@ class PeerTracker:
 
     def expected(self, fragment: int, version: int, digest: str) -> list[str]:
         """The trainers whose record shows them due at ``fragment``'s slot of ``version``:
-        they hold that version with ``digest``, or the one before (they rebase onto it
-        before their round). A node that arrives at the slot first waits for them
-        (matchmaking's patience)."""
+        they hold that version (this node's copy, or another one they will rebase from
+        onto this node's, which the rebase rule already chose), or the version before
+        (they rebase onto it before their round). A node that arrives at the slot first
+        waits for them (matchmaking's patience). ``digest`` is this node's copy; a peer
+        holding it at ``version`` is due whatever else it declared."""
         due = []
         for p in self.trainers():
             r = self.live[p]
-            if fragment >= len(r.versions):
-                continue
-            v = r.versions[fragment]
-            if v == version - 1 or (v == version and r.digests[fragment] == digest):
+            if fragment < len(r.versions) and r.versions[fragment] in (version - 1, version):
                 due.append(p)
         return due
 
