@@ -413,8 +413,11 @@ class RobustSettings:
     ``trim``, ``clip_scale`` and ``iterations``). ``checks``: reject a part whose norm or
     token weight exceeds ``norm_factor`` or ``weight_factor`` times the group's lower
     median (:class:`atoll.protocol.checks.PartChecks`); the round then fails and names
-    the sender. Part of the run id only when it is not the default, so the run ids of
-    manifests written before the table existed stay what they were.
+    the sender. ``verify_owners``: each chunk is reduced by its owner and again by a
+    verifier, and members commit only the bytes both agree on, so a hostile owner cannot
+    make honest members commit a wrong chunk (:class:`atoll.protocol.allreduce.RoundSpec`).
+    Part of the run id only when it is not the default, so the run ids of manifests
+    written before the table existed stay what they were.
     """
 
     rule: str = "mean"
@@ -431,6 +434,8 @@ class RobustSettings:
     """checks: most times the group's lower median norm a part may have"""
     weight_factor: float = 10.0
     """checks: most times the group's lower median token weight a part may claim"""
+    verify_owners: bool = False
+    """a second member recomputes every chunk before anyone commits it (1.5x the bytes)"""
 
     def __post_init__(self) -> None:
         _normalise(self, "robust.")

@@ -188,6 +188,7 @@ class FragmentSync:
         robust: RobustRule | None = None,
         checks: PartChecks | None = None,
         tamper: Tamper | None = None,
+        verify_owners: bool = False,
     ) -> None:
         if not 0 <= fragment < engine.num_fragments:
             raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
@@ -199,6 +200,7 @@ class FragmentSync:
         self._believes = believes
         self._robust = robust if robust is not None else RobustRule()
         self._checks = checks
+        self._verify_owners = verify_owners
         self._tamper = tamper
         self._attestation: Attestation | None = None
         self._phase: Phase = "idle"
@@ -305,6 +307,7 @@ class FragmentSync:
             codec.codec_block,
             robust=self._robust,
             checks=self._checks,
+            verify_owners=self._verify_owners,
         )
         if self._tamper is not None:
             return RunRound(spec, *self._tamper(spec, request.payload, request.weight))

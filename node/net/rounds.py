@@ -69,7 +69,7 @@ Event = tuple[str, Any]  # ("msg", message) or ("lost", peer) or ("view", declar
 
 def key_of(msg: object) -> Key | None:
     """The routing key of a round message, or None for a message no round takes."""
-    if isinstance(msg, ar.Part | ar.Reduced | ar.Abort):
+    if isinstance(msg, ar.Part | ar.Reduced | ar.Abort | ar.Verified | ar.Evidence):
         return ("ar", msg.run_id, msg.fragment, msg.round)
     if isinstance(msg, mm.JoinRequest | mm.JoinAccept | mm.Redirect | mm.GroupFormed | mm.Disband):
         return ("mm", msg.run_id, msg.fragment, msg.slot)
@@ -80,7 +80,11 @@ def key_of(msg: object) -> Key | None:
 
 def _size(msg: object) -> int:
     payload = getattr(msg, "payload", b"")
-    return 256 + (len(payload) if isinstance(payload, bytes) else 0)
+    size = 256 + (len(payload) if isinstance(payload, bytes) else 0)
+    payloads = getattr(msg, "payloads", ())  # an all-reduce Evidence: a chunk's parts
+    if isinstance(payloads, tuple):
+        size += sum(len(b) for b in payloads if isinstance(b, bytes))
+    return size
 
 
 @dataclass(slots=True)

@@ -187,6 +187,7 @@ class Syncer:
             robust=self.robust.to_rule(),
             checks=self.robust.to_checks(),
             tamper=self.tamper,
+            verify_owners=self.robust.verify_owners,
         )
 
     def _banned(self, peer: str) -> bool:

@@ -402,6 +402,7 @@ def test_a_manifest_without_robust_keeps_its_run_id_and_the_table_changes_it() -
         RobustSettings(rule="centered_clip", clip_scale=1.5, iterations=5),
         RobustSettings(checks=True),
         RobustSettings(checks=True, norm_factor=4.0, weight_factor=3.0),
+        RobustSettings(verify_owners=True),
     ]
     ids = {base().run_id()}
     for table in tables:

@@ -448,6 +448,24 @@ def test_the_manifests_robust_rule_holds_off_a_member_that_scales_its_update(rul
     _run(main)
 
 
+def test_verified_chunk_owners_commit_the_same_bytes_through_the_mailbox() -> None:
+    """``[robust] verify_owners``: the verifiers' messages reach the round through the
+    node's mailbox and every member commits the owners' bytes."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            robust = RobustSettings(verify_owners=True)
+            _, nodes = await _swarm(net, services, 4, robust=robust)
+            start = nodes[0].state()
+            await _sync_all(nodes, _locals(4), 3)
+            assert len(_check_atomic(nodes, start)) == 4
+            for node in nodes:
+                assert node.report is not None and node.report.done.round_status == "applied"
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 def test_the_manifests_part_checks_fail_a_round_with_an_oversized_part_and_name_it() -> None:
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
