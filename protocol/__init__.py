@@ -18,6 +18,11 @@ Map of the modules:
 - ``sync``       one fragment sync owned by one machine: rebase or group, commit or roll
   back (the only caller of the engine's deliver, skip and import)
 - ``streaming``  the trainer-side loop: which fragment is due, apply at t+τ, merge
+- ``liveness``   which peers answer: suspicion holds from failed requests
+- ``robust``     robust aggregation at a chunk's owner: trimmed mean, centered clipping
+- ``checks``     a part's norm and token weight against its group's, before reduction
+- ``certificate`` members' attestations of a committed state, certificates, believed states
+- ``strikes``    strikes against misbehaving peers and the bans they lead to
 
 Everything here works on flat float32 numpy vectors, so a bootstrap peer can import it
 without torch and the network process can run it on bytes it received.

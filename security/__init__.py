@@ -7,9 +7,11 @@ Map of the modules:
 - ``signing``   signed envelopes: a payload bound to a domain and to its signer's key
 - ``membership`` who may take part in a run: public, an allowlist, or member certificates
                 signed by an organisation key; revocation
+- ``manifest_sig`` the run owner's signature over a manifest's run id, checked by joiners
 
-Still to come with the trust work: contribution checks, robust aggregation, strikes and
-bans.
+Contribution checks, robust aggregation, certified states and strikes work on data, not
+on keys, and live in :mod:`atoll.protocol` (``checks``, ``robust``, ``certificate``,
+``strikes``); docs/THREAT_MODEL.md says what each defends against.
 
 It imports only :mod:`atoll.protocol` (never libp2p: the node layer turns an
 :class:`Identity` into a libp2p key pair). The errors it adds to the tree of
