@@ -326,6 +326,8 @@ async def serve(
     (the trainer's current step, now and then) goes to ``on_step``.
     """
     in_flight: set[int] = set()
+    idle = trio.Event()  # set whenever no sync is in flight
+    idle.set()
     gone = trio.Event()
 
     def send(msg: Sequence[Any]) -> None:
@@ -341,13 +343,14 @@ async def serve(
             outcome = SyncOutcome(p, step, False, -1, f"{type(e).__name__}: {e}")
         finally:
             in_flight.discard(p)
+            if not in_flight:
+                idle.set()
         send(_outcome_msg(outcome))
 
     async def run_settle(timeout_s: float) -> None:
         deadline = trio.current_time() + timeout_s
         with trio.move_on_at(deadline):
-            while in_flight:  # the last syncs end within their own timeouts
-                await trio.sleep(0.1)
+            await idle.wait()  # the last syncs end within their own timeouts
         left = deadline - trio.current_time()
         if in_flight:
             result = Settled(False, f"syncs of fragments {sorted(in_flight)} still in flight")
@@ -381,6 +384,8 @@ async def serve(
                     send(_outcome_msg(SyncOutcome(p, step, False, -1, "a sync is in flight")))
                     continue
                 in_flight.add(p)
+                if idle.is_set():  # a waiter on the current event stays valid otherwise
+                    idle = trio.Event()
                 nursery.start_soon(run_one, p, step, tokens)
             elif msg[0] == "settle" and len(msg) == 2:
                 nursery.start_soon(run_settle, float(msg[1]))
