@@ -34,7 +34,9 @@ Attacks elsewhere:
   sender.
 
 A hostile chunk owner (returning a wrong reduced chunk) is not among them: the round's
-machine builds the reduced chunk itself, with no hook to tamper with it.
+machine has a hook for it (``AllReduceRound(tamper_reduced=...)``), but the round driver
+(:func:`~atoll.node.net.rounds.run_allreduce`) does not pass one on, so a node cannot be
+made a hostile owner from its settings yet.
 """
 
 from __future__ import annotations

@@ -376,7 +376,10 @@ class _Machine(Protocol):
 
 
 class _Refusing:
-    """A matchmaker that never hears the messages of banned peers."""
+    """A matchmaker that never hears a banned peer ask to join (it waits out its answer
+    bound). Its other messages pass: a leader that has not banned it may still group
+    this node with it, and dropping that leader's answers would leave the group waiting
+    for this node's parts."""
 
     def __init__(self, machine: mm.Matchmaker, banned: Callable[[str], bool]) -> None:
         self.machine = machine
@@ -389,7 +392,9 @@ class _Refusing:
         return self.machine.next_deadline
 
     def receive(self, msg: Any, *, now: float) -> Sequence[Any]:
-        return [] if self.banned(getattr(msg, "sender", "")) else self.machine.receive(msg, now=now)
+        if isinstance(msg, mm.JoinRequest) and self.banned(msg.sender):
+            return []
+        return self.machine.receive(msg, now=now)
 
 
 async def _drive(
@@ -463,7 +468,7 @@ async def run_matchmaking(
     peers due at this slot (read at every DHT view); one that has not declared yet
     extends the matchmaker's deadline by ``patience_s`` (once; see
     :class:`~atoll.protocol.matchmaking.Matchmaker`). ``banned``: the declarations of
-    banned peers are left out and their messages unanswered (they are not grouped with).
+    banned peers are left out and their requests to join unanswered.
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
