@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import threading
 import time
@@ -37,18 +36,10 @@ from atoll.node import netlab
 from atoll.node.demo import DemoConfig, run_demo
 
 REASON = netlab.available()
-OPT_IN = "ATOLL_FAULT_SWARM"
-"""Set to 1 to run this module. It is left out of the default suite for now: the cut node
-rejoined within the schedule in 3 of 5 runs on the current code (it waits out its
-suspicion holds, and a stalled connection can outlive the heal), and the suite must not
-fail on a timing it does not control. bench/faults.py measures the same faults."""
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(900),
     pytest.mark.skipif(REASON is not None, reason=REASON or ""),
-    pytest.mark.skipif(
-        os.environ.get(OPT_IN) != "1", reason=f"a 4-minute swarm under faults: set {OPT_IN}=1"
-    ),
 ]
 
 NODES = 4
