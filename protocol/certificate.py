@@ -24,8 +24,9 @@ injected, :mod:`atoll.security` provides it and the node wires it):
   is verified once and remembered). :meth:`CertifiedStates.believed` filters the
   ``(peer, version, digest)`` holdings the rule reads, logs an ignored declaration once
   per peer and fragment, and reports its declarer (``on_uncertified``) once the claim
-  had time to be certified, or at once when it is out of reach (more than one version
-  past everything believed).
+  had time to be certified (``grace_s``), however far ahead it is: after a split heals,
+  the other side may be several versions ahead with certificates this node has not
+  found yet, and an honest peer must not be reported for that.
 
 Why the head certificate stands for the whole chain back to the seed: an honest member
 signs only a round it committed itself, and it starts every round from a state it
@@ -417,7 +418,7 @@ class CertifiedStates:
     ) -> list[Holding]:
         """The ``holdings`` of ``fragment`` whose state is believed; the rest are
         ignored (logged once per peer and fragment) and their declarers reported once
-        their claim is past its grace or out of reach. ``mine``, this node's own state,
+        their claim is past its grace. ``mine``, this node's own state,
         is always believed by itself (it committed or checked it)."""
         out: list[Holding] = []
         for peer, version, digest in holdings:
@@ -536,8 +537,8 @@ class CertifiedStates:
             )
         if key in self._reported:
             return
-        reach = max(self.top(fragment), mine[0] if mine is not None else 0) + 1
-        if version > reach or now - first >= self.grace_s:
+        if now - first >= self.grace_s:
+            reach = max(self.top(fragment), mine[0] if mine is not None else 0) + 1
             self._reported.add(key)
             log.warning(
                 "peer %s declares fragment %d version %d (%s) without a certificate%s",
