@@ -26,6 +26,7 @@ from atoll.protocol.manifest import RobustSettings
 from atoll.protocol.strikes import Strikes
 from tests.unit.test_syncer_memory import (
     RUN,
+    TIMEOUTS,
     Node,
     _identity,
     _node,
@@ -99,8 +100,9 @@ class EvidenceBoard:
 
 
 def test_a_forger_is_banned_and_its_evidence_convinces_a_node_that_never_saw_it() -> None:
-    """A peer whose signed record claims version 10^6 is banned at once by the nodes that
-    read it; one of them publishes the record as evidence, and a node whose directory
+    """A peer whose signed record claims version 10^6 is banned by the nodes that read it
+    once the claim's grace has passed (the time an honest commit's certificate takes to
+    be found); one of them publishes the record as evidence, and a node whose directory
     never showed the forger bans it on that evidence alone, while a claim a node can
     check to be certified convicts nobody."""
 
@@ -164,6 +166,11 @@ def test_a_forger_is_banned_and_its_evidence_convinces_a_node_that_never_saw_it(
             for k in range(2):
                 await _sync_nodes(nodes, 3 + 4 * k, k)
                 assert all(n.report.done.round_status == "applied" for n in nodes)  # type: ignore[union-attr]
+            assert not any(strikes.banned(forger) for strikes in ledgers)  # within its grace
+            await trio.sleep(TIMEOUTS.matchmaking_s + TIMEOUTS.round_s)
+            for n in nodes:
+                await n.syncer.peers.refresh()
+                n.syncer.peers.holdings(0, n.state())
             for strikes in ledgers:
                 assert strikes.banned(forger)
             await accuser.publish_due()
