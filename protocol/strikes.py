@@ -16,8 +16,10 @@ broken (docs/DESIGN.md, "Strikes and bans"):
 - ``forged``: the peer's own signed record declares a state far past anything
   certified (more than one version past what this node believes: no honest commit is);
 - ``uncertified``: the peer declared a state whose certificate did not appear within
-  the grace (an honest member of a round fewer than the quorum committed does this too,
-  until its next sync rebases it: a weak strike);
+  the grace. It weighs nothing: an honest member does this too whenever its round was
+  committed by fewer members than the quorum (a round may commit at one member and roll
+  back at another), or its partners' attestations have not reached the DHT after a cut,
+  until its next sync rebases it. It is kept in the ledger for the logs and status;
 - ``evidence``: another peer published the offender's signed record of a forged claim,
   and this node checked it (the signature is the offender's, the claim is far past what
   this node believes, and no certificate of it was found).
@@ -31,7 +33,7 @@ Each reason weighs some points (:data:`WEIGHTS`); a peer whose points within
 the same peer, at most ``max_ban_s``. A ban clears the points: once it ends, the peer
 starts again from zero (its next ban is longer). The default weights ban at once for
 anything proven (a check failure, equivocation, a forged claim, checked evidence) and
-after three weak strikes.
+never for an uncertified claim alone.
 
 Every ban is logged as a WARNING, ``banned peer <peer_id> for <seconds> s: <reason>``
 (benchmarks read it), and handed to ``on_ban``. A banned peer is not grouped with, not
@@ -64,7 +66,7 @@ WEIGHTS: Mapping[str, int] = {
     "equivocation": 3,
     "forged": 3,
     "evidence": 3,
-    "uncertified": 1,
+    "uncertified": 0,
 }
 """Points per reason (see the module docstring); a ban at ``threshold`` (3) points."""
 

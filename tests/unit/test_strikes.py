@@ -38,16 +38,26 @@ def test_a_proven_offence_bans_at_once_and_the_ban_is_logged_exactly(
 
 def test_weak_strikes_add_up_and_old_ones_are_forgotten() -> None:
     clock = Clock()
-    ledger = Strikes(clock=clock, forget_s=100.0)
-    assert ledger.strike("p", "uncertified") is None
+    ledger = Strikes(clock=clock, forget_s=100.0, weights={"slow": 1})
+    assert ledger.strike("p", "slow") is None
     clock.now += 60
-    assert ledger.strike("p", "uncertified") is None
+    assert ledger.strike("p", "slow") is None
     assert ledger.points("p") == 2
     clock.now += 50  # the first strike is past forget_s
     assert ledger.points("p") == 1
-    assert ledger.strike("p", "uncertified") is None
-    assert ledger.strike("p", "uncertified") is not None
+    assert ledger.strike("p", "slow") is None
+    assert ledger.strike("p", "slow") is not None
     assert ledger.banned("p") and ledger.points("p") == 0  # a ban clears the points
+
+
+def test_an_uncertified_claim_alone_never_bans() -> None:
+    """An honest member holds an uncertified state whenever its round committed at fewer
+    members than the quorum: those strikes are kept for the record and weigh nothing."""
+    clock = Clock()
+    ledger = Strikes(clock=clock)
+    for _ in range(10):
+        assert ledger.strike("p", "uncertified") is None
+    assert not ledger.banned("p") and ledger.points("p") == 0 and ledger.total == 10
 
 
 def test_bans_end_double_on_repeat_and_are_bounded() -> None:
