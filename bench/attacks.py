@@ -201,6 +201,18 @@ def run_swarm(
     return out
 
 
+def _read_run(work: Path, n: int, attackers: int) -> list[dict[str, Any]]:
+    """The nodes of a run already in ``work`` (``--analyse-only``)."""
+    out = []
+    for i in range(n):
+        path = work / f"node{i}.json"
+        summary = json.loads(path.read_text()) if path.exists() else None
+        out.append(
+            {"hostile": i >= n - attackers, "summary": summary, "log": work / f"node{i}.log"}
+        )
+    return out
+
+
 def _rounds_of(log: Path) -> list[float]:
     """Times of the slots where the node was in a group (applied or failed)."""
     times = []
@@ -261,10 +273,16 @@ def analyse(nodes: list[dict[str, Any]], attack: str) -> dict[str, Any]:
             if p not in {x["peer"] for x in per_attacker}
         }
     )
+    crashed = sum(
+        "loss became nan" in n["log"].read_text(errors="replace")
+        for n in honest
+        if n["log"].exists()
+    )
     return {
         "attack": attack,
         "honest_nodes": len(honest),
         "summaries": len(done),
+        "honest_diverged": crashed,
         "eval_loss": sum(evals) / len(evals) if evals else None,
         "rounds_applied": sum(s.get("rounds_applied") or 0 for s in done),
         "rounds_disrupted": sum(s.get("rounds_failed") or 0 for s in done),
@@ -307,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-timeout-s", type=float, default=300.0)
     ap.add_argument("--workdir", help="keep the nodes' files and logs here")
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument(
+        "--analyse-only", action="store_true", help="read the runs already in --workdir"
+    )
     args = ap.parse_args(argv)
     if not 0 <= args.attackers < args.nodes:
         ap.error("--attackers must be below --nodes")
@@ -321,9 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     for mode, attack, attackers in plan:
         start = time.time()
         print(f"bench/attacks.py: {attack} with {mode} ...", file=sys.stderr, flush=True)
-        nodes = run_swarm(
-            args, work / f"{attack.replace(':', '_')}-{mode}", mode, attack, attackers
-        )
+        where = work / f"{attack.replace(':', '_')}-{mode}"
+        if args.analyse_only:
+            nodes = _read_run(where, args.nodes, attackers)
+        else:
+            nodes = run_swarm(args, where, mode, attack, attackers)
         r = {"mode": mode, **analyse(nodes, attack), "wall_s": round(time.time() - start, 1)}
         if attack == "none":
             honest_of[mode] = r

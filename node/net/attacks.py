@@ -10,8 +10,6 @@ Attacks on the node's contribution to a round (a
 node's engine keeps its honest request):
 
 ==============  ========================================================================
-``nan``         every value of the part is NaN (crafted bytes: the codecs refuse to
-                encode NaN)
 ``huge``        the update scaled by 10^6
 ``signflip``    the update negated
 ``scaled:K``    the update scaled by K
@@ -25,13 +23,20 @@ node's engine keeps its honest request):
 ``stale``       the first round's payload of each fragment replayed in every later one
 ==============  ========================================================================
 
-Attacks elsewhere:
+Attacks on the parts as they leave (:class:`HostileTransport`: the round's own machine
+checks this node's payload when the round starts, so a NaN payload handed to it never
+leaves):
+
+- ``nan``: every part's first value (or block scale) is NaN, so the owner's decoder
+  refuses it as non-finite;
 
 - ``forge``: the node's peer record claims version 10^6, with a made-up digest, for
   every fragment (:func:`forged_versions`; the swarm worker's record builder applies it);
 - ``equivocate``: each part goes to its owner twice, the second copy with one byte
-  changed (:class:`EquivocatingTransport`); the owner rejects the pair and names the
-  sender.
+  changed; the owner rejects the pair and names the sender.
+
+Elsewhere:
+
 
 A hostile chunk owner (returning a wrong reduced chunk) is not among them: the round's
 machine has a hook for it (``AllReduceRound(tamper_reduced=...)``), but the round driver
@@ -56,7 +61,7 @@ __all__ = [
     "ATTACKS",
     "FORGED_VERSION",
     "Attack",
-    "EquivocatingTransport",
+    "HostileTransport",
     "forged_versions",
     "nan_payload",
     "parse_attack",
@@ -95,7 +100,7 @@ class Attack:
     @property
     def tamper(self) -> Tamper | None:
         """The round tamper of this attack (None for ``forge`` and ``equivocate``)."""
-        if self.name in ("forge", "equivocate"):
+        if self.name in ("forge", "equivocate", "nan"):
             return None
         return _tamper(self)
 
@@ -104,8 +109,9 @@ class Attack:
         return self.name == "forge"
 
     @property
-    def equivocates(self) -> bool:
-        return self.name == "equivocate"
+    def on_the_wire(self) -> bool:
+        """Whether the attack tampers with parts as they leave (:class:`HostileTransport`)."""
+        return self.name in ("equivocate", "nan")
 
 
 def parse_attack(spec: str) -> Attack | None:
@@ -157,8 +163,6 @@ def _tamper(attack: Attack) -> Tamper:
             out = (payload, weight * attack.k)
         elif name == "stale":
             out = (first.setdefault((spec.key.fragment, n), payload), weight)
-        elif name == "nan":
-            out = (nan_payload(codec, n), weight)
         else:
             x = codec.decode(payload, n).astype(np.float64)
             if name in ("huge", "scaled"):
@@ -185,21 +189,40 @@ def forged_versions(n: int, digest_len: int) -> tuple[tuple[int, ...], tuple[str
     return (FORGED_VERSION,) * n, ("f" * digest_len,) * n
 
 
-class EquivocatingTransport:
-    """A round transport that sends each :class:`~atoll.protocol.allreduce.Part` twice,
-    the second copy with its first byte changed (``equivocate``); everything else as
-    ``inner`` does."""
+_NAN_PREFIX = {
+    "fp32": np.array([np.nan], "<f4").tobytes(),
+    "int8": np.array([np.nan], "<f4").tobytes(),  # the first block scale
+    "bf16": np.array([0x7FC0], "<u2").tobytes(),
+    "e3m0": np.array([0x7FC0], "<u2").tobytes(),  # the first block scale, bfloat16
+    "e3m0-sr": np.array([0x7FC0], "<u2").tobytes(),
+}
 
-    def __init__(self, inner: RoundTransport) -> None:
+
+class HostileTransport:
+    """A round transport that tampers with this node's :class:`~atoll.protocol.allreduce.
+    Part` messages as they leave (``nan``, ``equivocate``; see the module docstring);
+    everything else goes as ``inner`` sends it. ``codec`` is the run's codec name (every
+    codec's payload starts with a value or a block scale)."""
+
+    def __init__(self, inner: RoundTransport, attack: Attack, codec: str) -> None:
         self.inner = inner
+        self.attack = attack
+        self.prefix = _NAN_PREFIX.get(codec, _NAN_PREFIX["fp32"])
 
     @property
     def peer_id(self) -> str:
         return self.inner.peer_id
 
     async def send(self, peer: str, msg: object, /) -> None:
-        await self.inner.send(peer, msg)
-        if isinstance(msg, ar.Part) and msg.payload:
+        if not isinstance(msg, ar.Part) or not msg.payload:
+            await self.inner.send(peer, msg)
+        elif self.attack.name == "nan":
+            k = len(self.prefix)
+            bad = self.prefix + msg.payload[k:] if len(msg.payload) >= k else msg.payload
+            logger.info("attack nan: a NaN part for chunk %d to %s", msg.chunk, peer)
+            await self.inner.send(peer, dataclasses.replace(msg, payload=bad))
+        else:  # equivocate
+            await self.inner.send(peer, msg)
             flipped = bytes([msg.payload[0] ^ 0x11]) + msg.payload[1:]
             logger.info("attack equivocate: a second part for chunk %d to %s", msg.chunk, peer)
             await self.inner.send(peer, dataclasses.replace(msg, payload=flipped))

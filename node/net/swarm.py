@@ -27,8 +27,8 @@ each do one job:
   :class:`~atoll.node.net.publisher.EvidenceExchange` publishes the signed record of a
   banned forger and judges the others' evidence;
 - attack injection for benchmarks and tests (``attack``,
-  :mod:`atoll.node.net.attacks`): the syncer's tamper, an equivocating transport, a
-  forged record;
+  :mod:`atoll.node.net.attacks`): the syncer's tamper, a transport that tampers with
+  parts as they leave, a forged record;
 - :class:`~atoll.node.net.tally.SyncTally` and the :class:`~atoll.node.net.status.
   NodeStatus` sent to the trainer every second (:func:`~atoll.node.net.bridge.post_status`).
 
@@ -58,7 +58,7 @@ from atoll.dht.kad import AtollDHT
 from atoll.dht.records import PeerRecord
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
-from atoll.node.net.attacks import Attack, EquivocatingTransport, forged_versions, parse_attack
+from atoll.node.net.attacks import Attack, HostileTransport, forged_versions, parse_attack
 from atoll.node.net.bridge import Settled, SharedFragments, SyncOutcome, post_status, serve
 from atoll.node.net.certwatch import watch_certificates
 from atoll.node.net.faults import parse_fault
@@ -163,7 +163,11 @@ class _Node:
             liveness=liveness,
         )
         self.syncer = Syncer(
-            transport=EquivocatingTransport(host) if attack and attack.equivocates else host,
+            transport=(
+                HostileTransport(host, attack, manifest.codec)
+                if attack is not None and attack.on_the_wire
+                else host
+            ),
             mailbox=self.mailbox,
             board=dht,
             engine=engine,
