@@ -55,6 +55,7 @@ from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.streaming import StreamingLoop
 from atoll.security.identity import IdentityLock, load_or_create
+from atoll.security.manifest_sig import check_manifest_signature
 
 __all__ = ["NodeSummary", "run_node"]
 
@@ -163,7 +164,11 @@ def run_node(
     <atoll.node.net.status.NodeStatus.as_dict>`: ``peer_id``, ``addrs``, ``run_id``,
     ``start_step``, ...).
     """
-    manifest = RunManifest.load(Path(cfg.run).expanduser())
+    manifest_path = Path(cfg.run).expanduser()
+    manifest = RunManifest.load(manifest_path)
+    # a manifest naming its owner is trusted only with the owner's signature next to it
+    # (checked here too, so that every caller of run_node gets the check, not only the CLI)
+    logger.info("%s", check_manifest_signature(manifest, manifest_path).describe())
     run_id = manifest.run_id()
     device = resolve_device(cfg.device)
     if cfg.threads:
