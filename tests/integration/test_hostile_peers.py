@@ -47,7 +47,7 @@ from atoll.node.net.transport import (
     read_frames,
 )
 from atoll.protocol.allreduce import Abort, Part
-from atoll.protocol.errors import ConfigError, ExchangeTimeout
+from atoll.protocol.errors import ConfigError, ExchangeTimeout, PeerUnavailable
 from atoll.protocol.messages import (
     PROTOCOL_VERSION,
     Hello,
@@ -440,3 +440,191 @@ def test_the_frame_budget_setting_is_checked() -> None:
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ConfigError, match="frame_budget_bytes"):
             HostConfig(frame_budget_bytes=bad)  # type: ignore[arg-type]
+
+
+# -- connections: dialers that are not, or claim to be someone else -------------------------
+def _port_of(node: AtollHost) -> int:
+    return int(multiaddr.Multiaddr(node.addrs[0]).value_for_protocol("tcp"))
+
+
+async def _until_closed(conn: trio.SocketStream, timeout_s: float) -> None:
+    """Read ``conn`` until the host closes it (whatever it wrote first), within the bound."""
+    with trio.fail_after(timeout_s):
+        while True:
+            try:
+                if not await conn.receive_some(4096):
+                    return
+            except trio.BrokenResourceError:
+                return
+
+
+def _multistream(*lines: str) -> bytes:
+    """multistream-select lines as a dialer writes them: varint length, text, newline."""
+    out = b""
+    for line in lines:
+        body = (line + "\n").encode()
+        assert len(body) < 0x80
+        out += bytes([len(body)]) + body
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_plaintext_garbage_and_silent_dialers_are_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="atoll")
+    config = HostConfig(dial_timeout_s=3, hello_timeout_s=3, send_timeout_s=20)
+    attacks = {
+        # a dialer asking for the plaintext security py-libp2p offers by default
+        "plaintext": _multistream("/multistream/1.0.0", "/plaintext/2.0.0"),
+        # a Noise proposal, then a first handshake message of random bytes
+        "noise-garbage": _multistream("/multistream/1.0.0", "/noise") + b"\x00\x20" + b"\x8f" * 32,
+        "random": bytes(range(256)) * 16,
+        "http": b"GET / HTTP/1.1\r\nHost: atoll\r\n\r\n",
+        "silent": b"",  # connects, then says nothing: only the handshake bound ends it
+    }
+    took: dict[str, float] = {}
+
+    async def main() -> None:
+        with trio.fail_after(100):
+            async with (
+                open_host(generate(), RUN, config) as node,
+                open_host(generate(), RUN, config) as honest,
+            ):
+                assert await honest.connect(node.addrs[0]) == node.peer_id
+                port = _port_of(node)
+                caplog.clear()
+
+                async def attack(name: str, data: bytes) -> None:
+                    conn = await trio.open_tcp_stream("127.0.0.1", port)
+                    start = trio.current_time()
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        if data:
+                            await conn.send_all(data)
+                    await _until_closed(conn, config.dial_timeout_s + 30)
+                    took[name] = trio.current_time() - start
+                    await conn.aclose()
+
+                async with trio.open_nursery() as nursery:
+                    for name, data in attacks.items():
+                        nursery.start_soon(attack, name, data)
+                    # meanwhile the honest peer's messages keep arriving
+                    for i in range(5):
+                        msg = Abort(RUN, 0, i, honest.peer_id, f"during {i}")
+                        await honest.send(node.peer_id, msg)
+                        assert await node.receive(timeout_s=20) == (honest.peer_id, msg)
+                later = Abort(RUN, 0, 9, honest.peer_id, "after")
+                await honest.send(node.peer_id, later)
+                assert await node.receive(timeout_s=20) == (honest.peer_id, later)
+                # no connection was registered for any of them: only the honest peer's
+                peers = {str(p) for p in node.libp2p_host.get_network().get_connections_map()}
+                assert peers <= {honest.peer_id}
+
+    trio.run(main)
+    # the silent one waited out the handshake bound; the others were dropped at most then
+    assert config.dial_timeout_s - 0.5 <= took["silent"] <= config.dial_timeout_s + 30
+    assert all(t <= config.dial_timeout_s + 30 for t in took.values()), took
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) <= len(attacks), [r.getMessage() for r in loud]
+
+
+@pytest.mark.timeout(120)
+def test_a_hello_naming_another_peer_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="atoll")
+    config = HostConfig(hello_timeout_s=5, send_timeout_s=20)
+
+    async def main() -> None:
+        with trio.fail_after(100):
+            async with (
+                open_host(generate(), RUN, config) as node,
+                open_host(generate(), RUN, config) as honest,
+                _raw_peer() as (raw, liar),
+            ):
+                # the liar's connection is its own (Noise); its Hello names the honest peer
+                stream = await _open_stream(raw, node, None)
+                lie = Hello(PROTOCOL_VERSION, RUN, honest.peer_id, AGENT)
+                await stream.write(frame(encode_message(lie)))
+                await _ended(stream)  # reset without an answer
+                assert not node.admitted(liar) and not node.admitted(honest.peer_id)
+                assert node.bytes_sent[liar] == 0
+                # the honest peer itself is admitted and heard as usual
+                assert await honest.connect(node.addrs[0]) == node.peer_id
+                msg = Abort(RUN, 0, 1, honest.peer_id, "me")
+                await honest.send(node.peer_id, msg)
+                assert await node.receive(timeout_s=20) == (honest.peer_id, msg)
+                assert node.admitted(honest.peer_id) and not node.admitted(liar)
+
+    trio.run(main)
+    refused = [r.getMessage() for r in caplog.records if "naming peer" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].startswith("refusing a stream from peer")
+
+
+class _Impersonating(NoiseTransport):
+    """A Noise transport that shows ``victim``'s identity key in its handshake, with a
+    signature made by its own key (the only one it holds)."""
+
+    def __init__(self, key_pair: Any, victim: Any) -> None:
+        super().__init__(key_pair, create_new_x25519_key_pair().private_key)
+        self.victim = victim
+
+    def get_pattern(self) -> Any:
+        pattern = super().get_pattern()
+        make = pattern.make_handshake_payload
+        victim = self.victim
+
+        def forged(*args: Any, **kwargs: Any) -> Any:
+            payload = make(*args, **kwargs)
+            payload.id_pubkey = victim
+            return payload
+
+        pattern.make_handshake_payload = forged  # type: ignore[method-assign]
+        return pattern
+
+
+@pytest.mark.timeout(120)
+def test_a_dialer_showing_another_peers_key_is_refused() -> None:
+    config = HostConfig(dial_timeout_s=5, hello_timeout_s=5, send_timeout_s=20)
+
+    async def main() -> None:
+        with trio.fail_after(100):
+            victim = generate()
+            async with (
+                open_host(generate(), RUN, config) as node,
+                open_host(victim, RUN, config) as honest,
+                open_host(generate(), RUN, config) as misdirected,
+            ):
+                victim_key = create_new_key_pair(victim.private_bytes()).public_key
+                kp = create_new_key_pair()
+                host = new_host(
+                    key_pair=kp,
+                    sec_opt={NOISE_PROTOCOL_ID: _Impersonating(kp, victim_key)},
+                    muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+                )
+                assert isinstance(host, BasicHost)
+                async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                    try:
+                        # (1) it dials the node showing the victim's key: the node's
+                        # Noise check of the signature fails, no connection results
+                        with pytest.raises(Exception):  # noqa: B017  libp2p's dial errors
+                            with trio.fail_after(30):
+                                await host.connect(
+                                    info_from_p2p_addr(multiaddr.Multiaddr(node.addrs[0]))
+                                )
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await host.close()
+                network = node.libp2p_host.get_network()
+                assert not network.get_connections(ID.from_base58(victim.peer_id))
+                assert not node.admitted(victim.peer_id)
+                # (2) a dialer expecting another peer at the node's address: its Noise
+                # check of the node's key fails, and the node admits nobody from it
+                elsewhere = node.addrs[0].rsplit("/p2p/", 1)[0] + f"/p2p/{honest.peer_id}"
+                with pytest.raises(PeerUnavailable):
+                    await misdirected.connect(elsewhere)
+                assert not node.admitted(misdirected.peer_id)
+                assert not misdirected.admitted(node.peer_id)
+                # the real owner of the key is heard as itself
+                assert await honest.connect(node.addrs[0]) == node.peer_id
+                msg = Abort(RUN, 0, 1, honest.peer_id, "the real one")
+                await honest.send(node.peer_id, msg)
+                assert await node.receive(timeout_s=20) == (honest.peer_id, msg)
+
+    trio.run(main)
