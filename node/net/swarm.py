@@ -219,8 +219,9 @@ class _Node:
 
     def _uncertified(self, peer: str, p: int, version: int) -> None:
         self.uncertified[peer] += 1
-        # more than one version past everything believed: no honest commit is (forged);
-        # else an honest member of a round short of its quorum may hold it (weak)
+        # reported once its grace passed without a certificate: more than one version past
+        # everything believed is no honest commit (forged); else an honest member of a
+        # round short of its quorum may hold it until its next rebase (weak)
         reach = max(self.beliefs.top(p), self.engine.version(p)) + 1
         reason = "forged" if version > reach else "uncertified"
         self.strikes.strike(peer, reason, f"declares fragment {p} version {version} uncertified")
