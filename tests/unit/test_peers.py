@@ -172,16 +172,21 @@ def test_holdings_keep_only_believed_states_and_report_the_rest() -> None:
         on_uncertified=lambda *claim: reported.append(claim),
     )
     records = [_record("p0"), _record("p1", version=1), _record("liar", version=10**6)]
+    now = [0.0]
     tracker = PeerTracker(
         "me",
         GroupSettings(2, 8, 1.0),
         directory=_Directory(records),
         wall=lambda: NOW,
         beliefs=beliefs,
-        clock=lambda: 0.0,
+        clock=lambda: now[0],
     )
     tracker.note(records)
     assert [h[0] for h in tracker.declared(0)] == ["p0", "p1", "liar"]
     assert tracker.holdings(0, mine=(0, "d0")) == [("p0", 0, "d0")]
     assert tracker.holdings(0, mine=(1, "d1")) == [("p0", 0, "d0"), ("p1", 1, "d1")]
-    assert reported == [("liar", 0, 10**6)]  # far out of reach: at once, and once
+    assert reported == []  # within the grace, however far ahead
+    now[0] = beliefs.grace_s
+    tracker.holdings(0, mine=(1, "d1"))
+    tracker.holdings(0, mine=(1, "d1"))
+    assert reported == [("liar", 0, 10**6)]  # past its grace: reported, once
