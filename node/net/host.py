@@ -49,7 +49,9 @@ announce a frame of ``max_frame_bytes`` and never finish it, and identities are 
 without a bound across peers a few dozen of them could make the process hold gigabytes.
 When the budget is full the streams holding the most are reset (see
 :mod:`atoll.node.net.transport`); a frame begun but trickled too slowly is cut off too.
-A stream that never shows its Hello is reset after ``hello_timeout_s``.
+A stream that never shows its Hello is reset after ``hello_timeout_s``, and a peer may
+hold at most :data:`MAX_PENDING_STREAMS` such streams at once (those it opens beyond are
+reset at once, with one WARNING line per burst).
 
 A peer that does not speak :data:`ATOLL_PROTOCOL` at all (another protocol version, or
 not atoll) fails the multistream negotiation: :class:`VersionMismatch`.
@@ -151,6 +153,7 @@ __all__ = [
     "AGENT",
     "ATOLL_PROTOCOL",
     "HELLO_MAX_BYTES",
+    "MAX_PENDING_STREAMS",
     "AtollHost",
     "HostConfig",
     "VersionMismatch",
@@ -165,6 +168,11 @@ logger = logging.getLogger(__name__)
 
 ATOLL_PROTOCOL: TProtocol = TProtocol(f"/atoll/{PROTOCOL_VERSION}/msg")
 """The libp2p protocol id of atoll's message streams; it carries the wire version."""
+
+MAX_PENDING_STREAMS: int = 8
+"""Streams one peer may hold open to this host before their Hello was read; one it opens
+beyond that is reset at once (a peer opening streams and leaving them silent would
+otherwise hold a task each for ``hello_timeout_s``). An honest peer has one."""
 
 HELLO_MAX_BYTES: int = 1024
 """Largest first frame accepted on a stream (a Hello encodes to ~200 bytes, ~430 with a
@@ -315,6 +323,8 @@ class AtollHost:
         )
         self._outgoing: dict[str, _Outgoing] = {}
         self._incoming: dict[str, INetStream] = {}
+        self._pending: Counter[str] = Counter()  # streams per peer still awaiting a Hello
+        self._flooding: set[str] = set()  # peers over MAX_PENDING_STREAMS, warned once
         # one budget for every incoming stream: it bounds the process, not each peer
         self._frame_budget = FrameBudget(max(config.frame_budget_bytes, config.max_frame_bytes))
         # Counter: reading a peer never seen gives 0 without adding it
@@ -736,7 +746,25 @@ class AtollHost:
     async def _serve_incoming(self, stream: INetStream, done: trio.Event) -> None:
         peer = str(stream.muxed_conn.peer_id)  # authenticated by Noise
         try:
-            if not await self._admit(stream, peer):
+            if self._pending[peer] >= MAX_PENDING_STREAMS:
+                if peer not in self._flooding:
+                    self._flooding.add(peer)
+                    logger.warning(
+                        "peer %s holds %d streams without a Hello; resetting the ones it "
+                        "opens beyond that",
+                        peer,
+                        MAX_PENDING_STREAMS,
+                    )
+                return
+            self._pending[peer] += 1
+            try:
+                admitted = await self._admit(stream, peer)
+            finally:
+                self._pending[peer] -= 1
+                if not self._pending[peer]:
+                    del self._pending[peer]
+                    self._flooding.discard(peer)
+            if not admitted:
                 return
             old = self._incoming.get(peer)
             self._incoming[peer] = stream

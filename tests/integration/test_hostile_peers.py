@@ -38,7 +38,14 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-from atoll.node.net.host import AGENT, ATOLL_PROTOCOL, AtollHost, HostConfig, open_host
+from atoll.node.net.host import (
+    AGENT,
+    ATOLL_PROTOCOL,
+    MAX_PENDING_STREAMS,
+    AtollHost,
+    HostConfig,
+    open_host,
+)
 from atoll.node.net.transport import (
     FRAME_START_S,
     MIN_FRAME_RATE,
@@ -628,3 +635,111 @@ def test_a_dialer_showing_another_peers_key_is_refused() -> None:
                 assert await node.receive(timeout_s=20) == (honest.peer_id, msg)
 
     trio.run(main)
+
+
+# -- connections: peers that hold streams without using them ---------------------------------
+@pytest.mark.timeout(120)
+def test_sends_to_a_peer_that_never_reads_time_out_alone() -> None:
+    config = HostConfig(hello_timeout_s=5, send_timeout_s=4)
+    big = b"\x33" * (2 * MiB)  # well over yamux's window: the write must wait for reads
+    release = trio.Event()
+    outcome: list[str] = []
+
+    async def main() -> None:
+        with trio.fail_after(100):
+            async with (
+                open_host(generate(), RUN, config) as node,
+                open_host(generate(), RUN, config) as honest,
+                _raw_peer() as (raw, stuck),
+            ):
+
+                async def never_read(stream: INetStream) -> None:
+                    size = int.from_bytes(await _read_exactly(stream, 4), "big")
+                    await _read_exactly(stream, size)  # the node's Hello
+                    hello = Hello(PROTOCOL_VERSION, RUN, stuck, AGENT)
+                    await stream.write(frame(encode_message(hello)))
+                    await release.wait()  # and never read again
+
+                raw.set_stream_handler(ATOLL_PROTOCOL, never_read)
+                assert await node.connect(str(raw.get_addrs()[0])) == stuck
+                assert await honest.connect(node.addrs[0]) == node.peer_id
+
+                async def send_to_stuck() -> None:
+                    # yamux buffers up to its window (which grows to 16 MiB) unread: send
+                    # past it; the send that no longer fits fails within its bound
+                    for i in range(32):
+                        start = trio.current_time()
+                        try:
+                            await node.send(stuck, Part(RUN, 0, i, node.peer_id, 1, 1.0, big))
+                        except PeerUnavailable:
+                            outcome.append(f"failed after {trio.current_time() - start:.1f} s")
+                            return
+                    outcome.append("sent")
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(send_to_stuck)
+                    # while that send waits, the node's sends to the honest peer go through
+                    for i in range(5):
+                        with trio.fail_after(10):
+                            await node.send(honest.peer_id, Abort(RUN, 0, i, node.peer_id, "x"))
+                        got = await honest.receive(timeout_s=10)
+                        assert got == (node.peer_id, Abort(RUN, 0, i, node.peer_id, "x"))
+                release.set()
+
+    trio.run(main)
+    assert len(outcome) == 1 and outcome[0].startswith("failed after"), outcome
+    assert float(outcome[0].split()[2]) <= config.send_timeout_s + 2
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_holding_many_silent_streams_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="atoll")
+    # a long Hello bound: the silent streams are not reset by it during the test
+    config = HostConfig(hello_timeout_s=60, send_timeout_s=20)
+    flood = 5 * MAX_PENDING_STREAMS
+    opened: list[INetStream] = []
+
+    async def main() -> None:
+        with trio.fail_after(100):
+            async with (
+                open_host(generate(), RUN, config) as node,
+                open_host(generate(), RUN, config) as honest,
+                _raw_peer() as (raw, hog),
+            ):
+                ended = 0
+                for _ in range(flood):
+                    try:
+                        opened.append(await _open_stream(raw, node, None))
+                    except Exception:  # reset during negotiation: refused all the same
+                        ended += 1
+                # the first ones still wait for their Hello; every later one was reset
+                assert len(opened) >= MAX_PENDING_STREAMS
+                for stream in opened[MAX_PENDING_STREAMS:]:
+                    with trio.fail_after(20):
+                        await _ended(stream)
+                for stream in opened[:MAX_PENDING_STREAMS]:
+                    with trio.move_on_after(0.2) as waiting:
+                        await _ended(stream)
+                    assert waiting.cancelled_caught, "a stream within the bound was reset"
+                assert ended + len(opened) == flood
+                # an honest peer's streams, both ways, still open and carry messages
+                assert await honest.connect(node.addrs[0]) == node.peer_id
+                for i in range(3):
+                    msg = Abort(RUN, 0, i, honest.peer_id, "in")
+                    await honest.send(node.peer_id, msg)
+                    assert await node.receive(timeout_s=20) == (honest.peer_id, msg)
+                    back = Abort(RUN, 0, i, node.peer_id, "out")
+                    await node.send(honest.peer_id, back)
+                    assert await honest.receive(timeout_s=20) == (node.peer_id, back)
+                # a hog that says its Hello on a stream is served like anyone
+                for stream in opened:
+                    with contextlib.suppress(Exception):
+                        await stream.reset()
+                await _until(lambda: not node._pending, 20)
+                stream = await _open_stream(raw, node, hog)
+                await stream.write(frame(encode_message(Abort(RUN, 0, 7, hog, "now"))))
+                assert await node.receive(timeout_s=20) == (hog, Abort(RUN, 0, 7, hog, "now"))
+
+    trio.run(main)
+    warned = [r for r in caplog.records if "streams without a Hello" in r.getMessage()]
+    assert len(warned) == 1
