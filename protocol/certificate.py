@@ -27,6 +27,11 @@ injected, :mod:`atoll.security` provides it and the node wires it):
   had time to be certified (``grace_s``), however far ahead it is: after a split heals,
   the other side may be several versions ahead with certificates this node has not
   found yet, and an honest peer must not be reported for that.
+- :class:`AttestationRequest` / :class:`AttestationReply` (kinds 41 and 42): a node asks
+  a peer that declares a state for the seals it holds of it (its own attestation, and
+  those of a certificate it checked), besides looking them up in the DHT. A reply is
+  bounded (:data:`MAX_REPLY_SEALS` seals of at most :data:`MAX_SEALED_BYTES` each) and is
+  only evidence: every seal is checked like one from the DHT.
 
 Why the head certificate stands for the whole chain back to the seed: an honest member
 signs only a round it committed itself, and it starts every round from a state it
@@ -56,7 +61,11 @@ __all__ = [
     "ATTESTATION_DOMAIN",
     "MAX_ATTESTATION_BYTES",
     "MAX_MEMBERS",
+    "MAX_REPLY_SEALS",
+    "MAX_SEALED_BYTES",
     "Attestation",
+    "AttestationReply",
+    "AttestationRequest",
     "AttestationSigner",
     "AttestationVerifier",
     "BadCertificate",
@@ -80,6 +89,13 @@ default). Bounds an attestation to about 2 KiB and a certificate check to 32 sig
 
 MAX_ATTESTATION_BYTES: int = 2560
 """Most bytes of an attestation's encoding (the payload that gets sealed)."""
+
+MAX_SEALED_BYTES: int = MAX_ATTESTATION_BYTES + 512
+"""Most bytes of a sealed attestation (the payload and its envelope)."""
+
+MAX_REPLY_SEALS: int = 8
+"""Most sealed attestations in one :class:`AttestationReply`: the replier's own and a few
+it has checked (a reply stays within about 24 KiB)."""
 
 _HEX = re.compile("[0-9a-f]{1,128}")
 _ID = {"max_len": 128}
@@ -136,6 +152,36 @@ class Attestation:
         return encode_message(self)
 
 
+@wire_message(41)
+@dataclass(frozen=True, slots=True)
+class AttestationRequest:
+    """``sender`` asks the receiver for the sealed attestations it holds of ``fragment``
+    at ``version`` with ``digest`` (run ``run_id``)."""
+
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    version: int
+    digest: str = field(metadata=_DIGEST)
+    sender: str = field(metadata=_ID)
+
+
+@wire_message(42)
+@dataclass(frozen=True, slots=True)
+class AttestationReply:
+    """The answer to an :class:`AttestationRequest`: the sealed attestations ``sender``
+    holds of that state (none when it holds none). Unchecked evidence: the asker opens
+    and checks every seal (:meth:`CertifiedStates.offer`)."""
+
+    run_id: str = field(metadata=_ID)
+    fragment: int
+    version: int
+    digest: str = field(metadata=_DIGEST)
+    sender: str = field(metadata=_ID)
+    seals: tuple[bytes, ...] = field(
+        metadata={"max_len": MAX_REPLY_SEALS, "item_max_len": MAX_SEALED_BYTES}
+    )
+
+
 class AttestationSigner(Protocol):
     """Seals bytes with the local peer's identity (atoll.security's envelopes)."""
 
@@ -163,7 +209,7 @@ def seal_attestation(attestation: Attestation, signer: AttestationSigner) -> byt
 def open_attestation(sealed: bytes, verifier: AttestationVerifier) -> tuple[Attestation, str]:
     """The attestation in ``sealed`` and the peer that signed it; BadCertificate when the
     seal does not open or the payload is no well-formed attestation."""
-    if not isinstance(sealed, bytes) or len(sealed) > MAX_ATTESTATION_BYTES + 512:
+    if not isinstance(sealed, bytes) or len(sealed) > MAX_SEALED_BYTES:
         raise BadCertificate("a sealed attestation is bytes of bounded size")
     try:
         payload, signer = verifier.open(
@@ -398,6 +444,12 @@ class CertifiedStates:
     def certificate(self, fragment: int, version: int, digest: str) -> Certificate | None:
         """The checked certificate of that state, if one is held."""
         return self._certs.get((fragment, version, digest))
+
+    def seals(self, fragment: int, version: int, digest: str) -> tuple[bytes, ...]:
+        """The seals of the checked certificate of that state (none when none is held):
+        what this node can hand to a peer that asks."""
+        cert = self._certs.get((fragment, version, digest))
+        return () if cert is None else cert.seals
 
     def top(self, fragment: int) -> int:
         """The highest version of ``fragment`` believed so far (0 when none)."""

@@ -187,6 +187,14 @@ class AttestationPublisher:
         held = self._latest.get(fragment)
         return None if held is None else held[1]
 
+    def sealed_for(self, fragment: int, version: int, digest: str) -> bytes | None:
+        """This node's sealed attestation of exactly that state (to answer a peer's
+        :class:`~atoll.protocol.certificate.AttestationRequest`), or None."""
+        held = self._latest.get(fragment)
+        if held is None or (held[0].version, held[0].digest) != (version, digest):
+            return None
+        return held[1]
+
     async def publish_due(self) -> None:
         """Publish every attestation not yet published, and republish those of states
         still held that are a third of their lifetime old."""

@@ -24,6 +24,8 @@ network process:
   when it ends get at most ``linger_s`` more.
 - :func:`fetch_state`: ask a peer for a fragment's state and reassemble its chunks
   (:mod:`atoll.protocol.statesync`), bounded by a timeout.
+- :func:`ask_attestations`: ask a peer for the sealed attestations it holds of one
+  state (:class:`~atoll.protocol.certificate.AttestationRequest`), bounded by a timeout.
 
 Every wait here has a deadline; nothing raises out of a round for a peer's failure: the
 machines turn it into Alone or Failed.
@@ -46,6 +48,7 @@ from atoll.node.net.seam import ReadyBoard, RoundTransport
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
+from atoll.protocol.certificate import AttestationReply, AttestationRequest
 from atoll.protocol.errors import AtollError, CodecError, ExchangeTimeout, PeerUnavailable
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings
@@ -55,10 +58,12 @@ __all__ = [
     "ReadyBoard",
     "RoundTraffic",
     "RoundTransport",
+    "ask_attestations",
     "fetch_state",
     "key_of",
     "run_allreduce",
     "run_matchmaking",
+    "serve_attestations",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,15 +80,18 @@ def key_of(msg: object) -> Key | None:
         return ("mm", msg.run_id, msg.fragment, msg.slot)
     if isinstance(msg, ss.StateChunk):
         return ("state", msg.run_id, msg.fragment, msg.sender)
+    if isinstance(msg, AttestationReply):
+        return ("cert", msg.run_id, msg.fragment, msg.version, msg.digest, msg.sender)
     return None
 
 
 def _size(msg: object) -> int:
     payload = getattr(msg, "payload", b"")
     size = 256 + (len(payload) if isinstance(payload, bytes) else 0)
-    payloads = getattr(msg, "payloads", ())  # an all-reduce Evidence: a chunk's parts
-    if isinstance(payloads, tuple):
-        size += sum(len(b) for b in payloads if isinstance(b, bytes))
+    for name in ("payloads", "seals"):  # an all-reduce Evidence's parts, a reply's seals
+        items = getattr(msg, name, ())
+        if isinstance(items, tuple):
+            size += sum(len(b) for b in items if isinstance(b, bytes))
     return size
 
 
@@ -704,3 +712,64 @@ async def serve_state(
             await host.send(peer, chunk)
     except (AtollError, CodecError) as e:
         logger.info("serving fragment %d to %s failed: %s", request.fragment, peer, e)
+
+
+# --------------------------------------------------------------------------------------
+# attestations asked directly
+# --------------------------------------------------------------------------------------
+async def ask_attestations(
+    host: RoundTransport,
+    mailbox: Mailbox,
+    peer: str,
+    run_id: str,
+    fragment: int,
+    version: int,
+    digest: str,
+    *,
+    timeout_s: float,
+) -> tuple[bytes, ...]:
+    """The sealed attestations ``peer`` holds of ``fragment`` at ``version`` with
+    ``digest`` (unchecked: the caller checks every seal).
+
+    Raises :class:`~atoll.protocol.errors.ExchangeTimeout` when no reply arrives within
+    ``timeout_s``, and the host's errors when the peer cannot be reached. One request per
+    peer and state at a time (the reply's routing key names them).
+    """
+    key = ("cert", run_id, fragment, version, digest, peer)
+    send_ch, events = trio.open_memory_channel[Event](4)
+    mailbox.open(key, send_ch)
+    try:
+        with trio.move_on_after(timeout_s):
+            await host.send(
+                peer, AttestationRequest(run_id, fragment, version, digest, host.peer_id)
+            )
+            while True:
+                kind, msg = await events.receive()
+                if kind == "msg" and isinstance(msg, AttestationReply):
+                    return msg.seals
+    finally:
+        mailbox.close(key)
+    raise ExchangeTimeout(
+        f"the attestations of fragment {fragment} version {version} from {peer}"
+        f" took over {timeout_s} s"
+    )
+
+
+async def serve_attestations(
+    host: RoundTransport, peer: str, request: AttestationRequest, seals: Sequence[bytes]
+) -> None:
+    """Answer ``request`` with ``seals`` (none: this node holds none); errors logged."""
+    reply = AttestationReply(
+        request.run_id,
+        request.fragment,
+        request.version,
+        request.digest,
+        host.peer_id,
+        tuple(seals),
+    )
+    try:
+        await host.send(peer, reply)
+    except (AtollError, CodecError) as e:
+        logger.info(
+            "serving attestations of fragment %d to %s failed: %s", request.fragment, peer, e
+        )

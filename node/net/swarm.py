@@ -181,6 +181,7 @@ class _Node:
             background=background,
             attestations=dht,
             attest=self.attester.submit,
+            attested=self.attester.sealed_for,
             robust=manifest.robust,
             strikes=self.strikes,
             tamper=attack.tamper if attack is not None else None,

@@ -21,13 +21,22 @@ cancelled, or fails for a reason the machine did not foresee, aborts the sync: t
 machine rolls it back exactly once.
 
 Certified states. When the tracker holds beliefs
-(:attr:`~atoll.node.net.peers.PeerTracker.beliefs`) and the syncer an attestation board,
-each sync (and catch-up) first looks up the certificates of the declared states that
-could change its choice (:meth:`Syncer.certify`: the most held first, at most a few, each
-within the answer bound, a failed one not again for a few seconds), and the machine
-follows believed states only. After a committed round the machine's attestation goes to
-``attest`` (the node seals and publishes it, :class:`~atoll.node.net.publisher.
-AttestationPublisher`).
+(:attr:`~atoll.node.net.peers.PeerTracker.beliefs`), each sync (and catch-up) first
+looks up the certificates of the declared states that could change its choice
+(:meth:`Syncer.certify`: the most held first, at most a few, a failed one not again for a
+few seconds), and the machine follows believed states only. Each state is looked up in
+the attestation board and, at the same time, asked of up to :data:`MAX_ASKED` responsive
+peers that declare it (:func:`~atoll.node.net.rounds.ask_attestations`): its holders are
+mostly the members that made it and keep their own attestation, and they answer as soon
+as a link is up, while a DHT lookup may take many seconds to find records after a split
+heals. Every source gets the answer bound (a peer that lets it pass is not asked again for
+:data:`ASK_BACKOFF_S`); whatever comes back is checked seal by seal
+(:meth:`~atoll.protocol.certificate.CertifiedStates.offer`), so a peer that answers with
+forged or foreign seals makes nothing believed. The syncer answers such requests with
+this node's own attestation of the state (``attested``) and the seals of a certificate
+it checked (:meth:`Syncer.serve_request`). After a committed round the machine's
+attestation goes to ``attest`` (the node seals and publishes it,
+:class:`~atoll.node.net.publisher.AttestationPublisher`).
 
 Strikes and bans. With :attr:`Syncer.strikes` (the node's
 :class:`~atoll.protocol.strikes.Strikes`), a round that failed naming a culprit strikes it
@@ -46,7 +55,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+import random
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -58,9 +68,11 @@ from atoll.node.net.publisher import AttestationBoard
 from atoll.node.net.rounds import (
     Mailbox,
     RoundTraffic,
+    ask_attestations,
     fetch_state,
     run_allreduce,
     run_matchmaking,
+    serve_attestations,
     serve_state,
 )
 from atoll.node.net.seam import ReadyBoard, RoundTransport
@@ -68,13 +80,22 @@ from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
 from atoll.protocol import sync as fs
-from atoll.protocol.certificate import Attestation
+from atoll.protocol.certificate import MAX_REPLY_SEALS, Attestation, AttestationRequest
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
 from atoll.protocol.manifest import RobustSettings, Timeouts
 from atoll.protocol.strikes import Strikes, reason_of_failure, self_accused
 
-__all__ = ["FaultHook", "Offload", "SyncReport", "Syncer", "answer_bound", "inline"]
+__all__ = [
+    "ASK_BACKOFF_S",
+    "MAX_ASKED",
+    "FaultHook",
+    "Offload",
+    "SyncReport",
+    "Syncer",
+    "answer_bound",
+    "inline",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +106,17 @@ READY_TTL_SLACK_S = 10.0
 
 Offload = Callable[..., Awaitable[Any]]
 """``await offload(fn, *args)`` runs ``fn(*args)`` off the event loop and returns its result."""
+
+MAX_ASKED = 4
+"""Most peers asked directly for the attestations of one state per lookup."""
+
+ASK_BACKOFF_S = 30.0
+"""How long a peer that left an attestation request unanswered (within the answer bound)
+is not asked again: a silent declarer of a state costs a sync one answer bound now and
+then, not every time."""
+
+Attested = Callable[[int, int, str], bytes | None]
+"""``(fragment, version, digest) -> this node's sealed attestation of it, or None``."""
 
 FaultHook = Callable[[int, int], Callable[[str], None] | None]
 """``(fragment, slot) -> checkpoint or None``: fault injection for a round (tests)."""
@@ -137,6 +169,7 @@ class Syncer:
         robust: RobustSettings | None = None,
         strikes: Strikes | None = None,
         tamper: fs.Tamper | None = None,
+        attested: Attested | None = None,
     ) -> None:
         self.strikes = strikes
         """the node's strike ledger (None: nobody is struck or banned)"""
@@ -164,6 +197,13 @@ class Syncer:
         """where certificates are looked up (None: no lookups)"""
         self.attest = attest
         """called with this member's attestation after each committed round"""
+        self.attested = attested
+        """this node's own sealed attestation of a state, handed to peers that ask
+        (:meth:`~atoll.node.net.publisher.AttestationPublisher.sealed_for`)"""
+        self._asking: set[tuple[str, int, int, str]] = set()
+        """(peer, fragment, version, digest) asked now: one request of each at a time"""
+        self._unanswered: dict[str, float] = {}
+        """peers that left a request unanswered -> when they may be asked again"""
         self.lock = trio.Lock()
         """one engine call at a time"""
         self.step = 0
@@ -198,26 +238,117 @@ class Syncer:
 
     async def certify(self, p: int, extra: list[fs.Holding] | None = None) -> tuple[int, str]:
         """Look up the certificates of the declared states of ``p`` that could change
-        this node's choice (see the module docstring); returns this node's own state."""
+        this node's choice, in the board and from the peers that declare them (see the
+        module docstring); returns this node's own state."""
         mine = await self.engine_call(self._mine, p)
         beliefs = self.peers.beliefs
-        if beliefs is None or self.attestations is None:
+        if beliefs is None:
             return mine
         declared = [*self.peers.declared(p), *(extra or [])]
         todo = beliefs.to_check(p, declared, now=trio.current_time(), mine=mine)
-        # all lookups within one answer bound: a state not reached is looked up next time
-        with trio.move_on_after(answer_bound(self.timeouts)):
+        if not todo:
+            return mine
+        # all states at once, each source within one answer bound: a state left without a
+        # certificate is tried again after the beliefs' retry time
+        bound = answer_bound(self.timeouts)
+        async with trio.open_nursery() as nursery:
             for version, digest in todo:
-                try:
-                    records = await self.attestations.find_attestations(p, version)
-                except AtollError as e:
-                    logger.debug("fragment %d version %d: no attestations: %s", p, version, e)
-                    records = []
-                seals = [
-                    r.attestation for r in records if (r.version, r.digest) == (version, digest)
-                ]
-                beliefs.offer(p, version, digest, seals, now=trio.current_time())
+                holders = self._holders(declared, version, digest)
+                nursery.start_soon(self._certify_state, p, version, digest, holders, bound)
         return mine
+
+    def _holders(self, declared: list[fs.Holding], version: int, digest: str) -> list[str]:
+        """Up to :data:`MAX_ASKED` responsive peers, in random order, that declare
+        ``(version, digest)``: not this node, not a banned or silent one, nor one that
+        left a request unanswered within the last :data:`ASK_BACKOFF_S`."""
+        me = self.transport.peer_id
+        liveness = self.peers.liveness
+        now = trio.current_time()
+        holders = sorted(
+            {
+                peer
+                for peer, v, d in declared
+                if (v, d) == (version, digest)
+                and peer != me
+                and not self._banned(peer)
+                and not liveness.silent(peer)
+                and self._unanswered.get(peer, -float("inf")) <= now
+            }
+        )
+        random.shuffle(holders)  # a crowd of liars does not always take every turn
+        return holders[:MAX_ASKED]
+
+    async def _certify_state(
+        self, p: int, version: int, digest: str, holders: list[str], bound: float
+    ) -> None:
+        """The board's and ``holders``' attestations of one state, offered to the beliefs
+        as they come; the rest are called off once a certificate is found."""
+        beliefs = self.peers.beliefs
+        assert beliefs is not None
+        seals: list[bytes] = []
+
+        def got(more: Sequence[bytes]) -> None:
+            seals.extend(more)
+            if beliefs.offer(p, version, digest, seals, now=trio.current_time()) is not None:
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            if self.attestations is not None:
+                nursery.start_soon(self._look_up, p, version, digest, bound, got)
+            for peer in holders:
+                nursery.start_soon(self._ask, peer, p, version, digest, bound, got)
+        beliefs.offer(p, version, digest, seals, now=trio.current_time())
+
+    async def _look_up(
+        self,
+        p: int,
+        version: int,
+        digest: str,
+        bound: float,
+        got: Callable[[Sequence[bytes]], None],
+    ) -> None:
+        assert self.attestations is not None
+        with trio.move_on_after(bound):
+            try:
+                records = await self.attestations.find_attestations(p, version)
+            except AtollError as e:
+                logger.debug("fragment %d version %d: no attestations: %s", p, version, e)
+                return
+            got([r.attestation for r in records if (r.version, r.digest) == (version, digest)])
+
+    async def _ask(
+        self,
+        peer: str,
+        p: int,
+        version: int,
+        digest: str,
+        bound: float,
+        got: Callable[[Sequence[bytes]], None],
+    ) -> None:
+        key = (peer, p, version, digest)
+        if key in self._asking:  # another lookup is asking it already
+            return
+        self._asking.add(key)
+        try:
+            seals = await ask_attestations(
+                self.transport,
+                self.mailbox,
+                peer,
+                self.run_id,
+                p,
+                version,
+                digest,
+                timeout_s=bound,
+            )
+        except AtollError as e:
+            logger.debug("fragment %d version %d: %s sent no attestations: %s", p, version, peer, e)
+            now = trio.current_time()
+            self._unanswered = {q: t for q, t in self._unanswered.items() if t > now}
+            self._unanswered[peer] = now + ASK_BACKOFF_S
+            return
+        finally:
+            self._asking.discard(key)
+        got(seals)
 
     def _attested(self, machine: fs.FragmentSync) -> None:
         if machine.attestation is not None and self.attest is not None:
@@ -394,8 +525,12 @@ class Syncer:
 
     # -- serving -----------------------------------------------------------------------------
     async def serve_request(self, sender: str, msg: object) -> None:
-        """Answer a peer's :class:`~atoll.protocol.statesync.StateRequest` (the mailbox's
-        handler of messages no round takes)."""
+        """Answer a peer's :class:`~atoll.protocol.statesync.StateRequest` or
+        :class:`~atoll.protocol.certificate.AttestationRequest` (the mailbox's handler of
+        messages no round takes)."""
+        if isinstance(msg, AttestationRequest):
+            await serve_attestations(self.transport, sender, msg, self._seals_of(msg))
+            return
         if not isinstance(msg, ss.StateRequest):
             logger.info("peer %s sent an unexpected %s", sender, type(msg).__name__)
             return
@@ -404,3 +539,18 @@ class Syncer:
             return
         state = await self.engine_call(self.engine.export_fragment, msg.fragment, self.step)
         await serve_state(self.transport, sender, msg, state)
+
+    def _seals_of(self, request: AttestationRequest) -> list[bytes]:
+        """The seals this node holds of exactly the requested state: its own attestation,
+        then those of a certificate it checked; none for another run or an unknown state."""
+        if request.run_id != self.run_id:
+            return []
+        state = (request.fragment, request.version, request.digest)
+        seals: list[bytes] = []
+        own = self.attested(*state) if self.attested is not None else None
+        if own is not None:
+            seals.append(own)
+        beliefs = self.peers.beliefs
+        if beliefs is not None:
+            seals.extend(s for s in beliefs.seals(*state) if s not in seals)
+        return seals[:MAX_REPLY_SEALS]
