@@ -32,7 +32,13 @@ from atoll.node.net.syncer import Syncer, SyncReport, answer_bound, inline
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
-from atoll.protocol.certificate import Attestation, CertifiedStates, seal_attestation
+from atoll.protocol.certificate import (
+    Attestation,
+    AttestationReply,
+    AttestationRequest,
+    CertifiedStates,
+    seal_attestation,
+)
 from atoll.protocol.engine import EngineConfig, OuterEngine
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings, RobustSettings, Timeouts
@@ -81,6 +87,8 @@ class Node:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     reported: list[tuple[str, int, int]] = field(default_factory=list)
     """the peers this node reported for an uncertified declaration"""
+    attester: AttestationPublisher | None = None
+    """keeps this node's sealed attestations (and publishes them on the board)"""
 
     def state(self) -> tuple[int, str]:
         return self.engine.version(0), self.engine.digest(0)
@@ -154,6 +162,7 @@ async def _node(
         held=lambda p: (engine.version(p), engine.digest(p)),
     )
     services.start_soon(attester.run)
+    node.attester = attester
     holder: list[Syncer] = []
 
     async def on_request(sender: str, msg: object) -> None:
@@ -174,6 +183,7 @@ async def _node(
         offload=inline,  # a worker thread would let the fake clock jump meanwhile
         attestations=board,
         attest=attester.submit,
+        attested=attester.sealed_for,
         robust=robust,
     )
     holder.append(syncer)
@@ -735,8 +745,12 @@ def test_a_liar_claiming_a_huge_version_is_never_fetched_from_and_rounds_go_on()
                 assert len({n.state() for n in nodes}) == 1
             assert nodes[0].state()[0] == start[0] + 3
             assert not [m for m in asked if isinstance(m, ss.StateRequest)]
+            # each node asks the silent liar for its attestations once, then leaves it be
+            assert len([m for m in asked if isinstance(m, AttestationRequest)]) <= len(nodes)
             # three syncs: three trainings and three prompt rounds, no waiting on the liar
-            assert trio.current_time() - t0 < 3 * (TRAIN_S + GROUP.grace_s + 1.0)
+            # but the one answer bound of that first request
+            bound = answer_bound(TIMEOUTS)
+            assert trio.current_time() - t0 < 3 * (TRAIN_S + GROUP.grace_s + 1.0) + bound
             # past the grace of a claim (the time an honest commit's certificate takes to
             # be found), the liar is reported; nobody is reported before it
             assert all(n.reported == [] for n in nodes)
@@ -755,7 +769,8 @@ def test_a_liar_claiming_a_huge_version_is_never_fetched_from_and_rounds_go_on()
 
 def test_a_joiner_rebases_onto_a_certified_state_only() -> None:
     """A late node copies the swarm's state once its certificate is found; with the
-    attestations gone from the board it stays on the seed and fetches nothing."""
+    attestations gone from the board and from the holders, it stays on the seed and
+    fetches nothing."""
 
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
@@ -767,14 +782,114 @@ def test_a_joiner_rebases_onto_a_certified_state_only() -> None:
             saved = dict(net.board._attests)
             assert saved
             net.board._attests.clear()  # the certificate cannot be found
+            kept = {n.peer: dict(n.attester._latest) for n in nodes if n.attester is not None}
+            for n in nodes:
+                assert n.attester is not None
+                n.attester._latest.clear()  # nor asked of its holders
             late = await _node(net, directory, "peer-late", services, initial=np.zeros(N))
             await late.syncer.peers.refresh()
             done = await late.syncer.catch_up(0)
             assert not done.rebased and late.state()[0] == 0
             net.board._attests.update(saved)
+            for n in nodes:
+                assert n.attester is not None
+                n.attester._latest.update(kept[n.peer])
             await trio.sleep(10.0)  # past the retry time of the failed lookup
             done = await late.syncer.catch_up(0)
             assert done.rebased and late.state() == ahead
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_joiner_asks_the_holders_for_the_certificate_the_board_lost() -> None:
+    """With no attestation left on the board, a late node asks the peers that declare the
+    swarm's state for theirs, believes it within one answer bound and rebases."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 3)
+            await _sync_all(nodes, _locals(3), 3)
+            ahead = nodes[0].state()
+            await trio.sleep(1.0)
+            net.board._attests.clear()  # the DHT finds nothing
+            late = await _node(net, directory, "peer-late", services, initial=np.zeros(N))
+            asked: list[str] = []
+            net.on_deliver = lambda sender, to, msg: (
+                asked.append(to) if isinstance(msg, AttestationRequest) else None
+            )
+            await late.syncer.peers.refresh()
+            t0 = trio.current_time()
+            await late.syncer.certify(0)
+            assert trio.current_time() - t0 <= answer_bound(TIMEOUTS)
+            beliefs = late.syncer.peers.beliefs
+            assert beliefs is not None and beliefs.believes(0, *ahead)
+            assert asked and set(asked) <= {n.peer for n in nodes}
+            assert not net.board._attests  # believed from the holders' answers alone
+            done = await late.syncer.catch_up(0)
+            assert done.rebased and late.state() == ahead
+            # having checked it, the late node hands the certificate on when asked
+            assert beliefs.seals(0, *ahead)
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_forged_or_foreign_seals_from_a_holder_make_no_state_believed() -> None:
+    """A peer that declares a state of its own and answers attestation requests with
+    forged, foreign and garbage seals gets its state believed by nobody, and nobody
+    fetches from it."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 3)
+            await _sync_all(nodes, _locals(3), 3)
+            honest = nodes[0].state()
+            await trio.sleep(1.0)
+            real = [r.attestation for r in await net.board.find_attestations(0, 1)]
+            assert len(real) == 3
+            liar = "peer-liar"
+            forged = "f" * ss.DIGEST_LEN
+            version = 5
+            directory.forged.append((liar, version, forged))
+            fake = Attestation(RUN, 0, version, forged, honest[1], ("peer-0", "peer-1", liar))
+            lies = (
+                seal_attestation(fake, EnvelopeSigner(_identity(liar))),  # its own word
+                seal_attestation(fake, EnvelopeSigner(_identity("sybil-a"))),  # no member
+                real[0][:-1] + bytes([real[0][-1] ^ 1]),  # a member's seal, tampered with
+                real[1],  # a member's genuine seal of another state
+                real[2],
+                b"\x00" * 64,
+            )
+            transport = net.transport(liar)
+            requests: list[AttestationRequest] = []
+
+            async def answer_with_lies() -> None:
+                while True:
+                    sender, msg = await transport.receive()
+                    if isinstance(msg, AttestationRequest):
+                        requests.append(msg)
+                        reply = AttestationReply(
+                            msg.run_id, msg.fragment, msg.version, msg.digest, liar, lies
+                        )
+                        await transport.send(sender, reply)
+
+            services.start_soon(answer_with_lies)
+            fetched: list[object] = []
+            net.on_deliver = lambda sender, to, msg: (
+                fetched.append(msg) if to == liar and isinstance(msg, ss.StateRequest) else None
+            )
+            late = await _node(net, directory, "peer-late", services, initial=np.zeros(N))
+            await late.syncer.peers.refresh()
+            done = await late.syncer.catch_up(0)
+            assert done.rebased and late.state() == honest  # the honest state, not the lie
+            assert any(r.version == version and r.digest == forged for r in requests)
+            for n in [*nodes, late]:
+                await n.syncer.peers.refresh()
+                await n.syncer.certify(0)
+                beliefs = n.syncer.peers.beliefs
+                assert beliefs is not None and not beliefs.believes(0, version, forged)
+            assert not fetched
             services.cancel_scope.cancel()
 
     _run(main)

@@ -8,7 +8,7 @@ import typing
 import msgpack
 import pytest
 
-from atoll.protocol import allreduce, matchmaking, statesync
+from atoll.protocol import allreduce, certificate, matchmaking, statesync
 from atoll.protocol.errors import CodecError
 from atoll.protocol.messages import (
     PROTOCOL_VERSION,
@@ -42,6 +42,8 @@ MESSAGES = [
     matchmaking.Disband,
     statesync.StateRequest,
     statesync.StateChunk,
+    certificate.AttestationRequest,
+    certificate.AttestationReply,
 ]
 
 
@@ -68,3 +70,26 @@ def test_a_hostile_part_with_a_non_finite_weight_does_not_decode() -> None:
     raw = msgpack.packb([PROTOCOL_VERSION, message_kind(allreduce.Part), fields], use_bin_type=True)
     with pytest.raises(CodecError, match="weight"):
         decode_message(raw)
+
+
+def test_an_attestation_reply_is_bounded_in_seals_and_their_size() -> None:
+    """A reply holds at most MAX_REPLY_SEALS seals of at most MAX_SEALED_BYTES each;
+    one over either bound does not decode."""
+    reply = certificate.AttestationReply(
+        "ab" * 32,
+        0,
+        3,
+        "0f" * 16,
+        "peer-a",
+        tuple(b"\x07" * certificate.MAX_SEALED_BYTES for _ in range(certificate.MAX_REPLY_SEALS)),
+    )
+    assert decode_message(encode_message(reply)) == reply
+    fields = [getattr(reply, f.name) for f in dataclasses.fields(reply)]
+    kind = message_kind(certificate.AttestationReply)
+    for seals in (
+        (*reply.seals, b"\x07"),  # one seal too many
+        (b"\x07" * (certificate.MAX_SEALED_BYTES + 1),),  # one seal too large
+    ):
+        raw = msgpack.packb([PROTOCOL_VERSION, kind, [*fields[:-1], seals]], use_bin_type=True)
+        with pytest.raises(CodecError):
+            decode_message(raw)
