@@ -101,6 +101,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+CERTIFY_IN_SYNC_S = 0.5
+"""how long a sync waits for certificate lookups before it plans or commits (the lookups
+of states not found by then go on in the background watch; a sync that started late for
+them would miss its group)"""
+
 READY_TTL_SLACK_S = 10.0
 """a ready record lives 2 x matchmaking_s plus this"""
 
@@ -236,10 +241,14 @@ class Syncer:
     def _mine(self, p: int) -> tuple[int, str]:
         return self.engine.version(p), self.engine.digest(p)
 
-    async def certify(self, p: int, extra: list[fs.Holding] | None = None) -> tuple[int, str]:
+    async def certify(
+        self, p: int, extra: list[fs.Holding] | None = None, *, within: float | None = None
+    ) -> tuple[int, str]:
         """Look up the certificates of the declared states of ``p`` that could change
         this node's choice, in the board and from the peers that declare them (see the
-        module docstring); returns this node's own state."""
+        module docstring); returns this node's own state. ``within``: give up on what is
+        not found by then (a sync must not start late for it: the background watch,
+        :mod:`atoll.node.net.certwatch`, keeps looking)."""
         mine = await self.engine_call(self._mine, p)
         beliefs = self.peers.beliefs
         if beliefs is None:
@@ -250,12 +259,32 @@ class Syncer:
             return mine
         # all states at once, each source within one answer bound: a state left without a
         # certificate is tried again after the beliefs' retry time
+        if within is None or self.background is None:
+            await self._certify_all(p, todo, declared)
+            return mine
+        # the lookups run to their own bounds in the background (a peer that does not
+        # answer is then remembered as such); the sync waits for them only ``within``
+        done = trio.Event()
+
+        async def run() -> None:
+            try:
+                await self._certify_all(p, todo, declared)
+            finally:
+                done.set()
+
+        self.background.start_soon(run)
+        with trio.move_on_after(within):
+            await done.wait()
+        return mine
+
+    async def _certify_all(
+        self, p: int, todo: Sequence[tuple[int, str]], declared: list[fs.Holding]
+    ) -> None:
         bound = answer_bound(self.timeouts)
         async with trio.open_nursery() as nursery:
             for version, digest in todo:
                 holders = self._holders(declared, version, digest)
                 nursery.start_soon(self._certify_state, p, version, digest, holders, bound)
-        return mine
 
     def _holders(self, declared: list[fs.Holding], version: int, digest: str) -> list[str]:
         """Up to :data:`MAX_ASKED` responsive peers, in random order, that declare
@@ -363,7 +392,7 @@ class Syncer:
         report = SyncReport(fs.SyncDone(p, step, False, -1, "", "none"), 0.0)
         try:
             await self.engine_call(machine.begin, local, step)
-            mine = await self.certify(p)
+            mine = await self.certify(p, within=CERTIFY_IN_SYNC_S)
             holdings = self.peers.holdings(p, mine)
             plan = functools.partial(machine.plan, holdings, wall_now=self.wall())
             action = await self.engine_call(plan)
@@ -502,7 +531,7 @@ class Syncer:
         live = {peer: (peer, v, d) for peer, v, d in self.peers.declared(p)}
         live.update((peer, (peer, v, d)) for peer, (v, d) in seen.items() if not self._banned(peer))
         holdings = list(live.values())
-        mine = await self.certify(p, holdings)
+        mine = await self.certify(p, holdings, within=CERTIFY_IN_SYNC_S)
         return self.peers.believed(p, holdings, mine)
 
     def _checkpoint(self, p: int, slot: int) -> Callable[[str], None] | None:
