@@ -316,6 +316,19 @@ class _Node:
                         " still train on",
                     )
                 if not answering and not patient:
+                    # the others may have settled and left first: their last records
+                    # (published as they finished) still say which copy they ended on
+                    gone = [
+                        p
+                        for p, r in self.peers.live.items()
+                        if not r.training and not self.beliefs.reported(p)
+                    ]
+                    if published and gone and not self._disagreeing(gone):
+                        return Settled(
+                            True,
+                            f"the {len(gone)} peers that finished before this node hold its"
+                            f" copy by their last records ({rebased} fragments rebased)",
+                        )
                     return Settled(False, "no peer of the run answered: nothing to agree with")
                 await trio.sleep(1.0)
         short = ", ".join(p[-6:] for p in differ) or "none"
@@ -323,11 +336,12 @@ class _Node:
             False, f"after {timeout_s:.0f} s, peers on other copies: {short} ({rebased} rebased)"
         )
 
-    def _disagreeing(self) -> list[str]:
-        """The responsive peers whose record shows another copy of some fragment."""
+    def _disagreeing(self, peers: list[str] | None = None) -> list[str]:
+        """The peers (by default the responsive ones) whose record shows another copy of
+        some fragment."""
         mine = [(self.engine.version(p), self.engine.digest(p)) for p in range(len(self.shared))]
         out = []
-        for peer in self.peers.responsive():
+        for peer in self.peers.responsive() if peers is None else peers:
             if self.beliefs.reported(peer):  # its word on its copy is not taken
                 continue
             r = self.peers.live[peer]
