@@ -22,7 +22,7 @@ and how many of its own rounds (slots where it was in a group) it had taken part
 the last honest node banned it; whether any honest node's state ever followed a forged
 version (a version of 10^6 in its history); whether the honest nodes end on one copy.
 
-Targets (issue 10), pass/fail per run with protections: eval loss within 2% of
+Targets, pass/fail per run with protections: eval loss within 2% of
 honest-only; every attacker of a detectable attack (nan, huge, scaled, weight,
 equivocate, forge) banned by every honest node within 3 of its rounds; no honest node
 following a forged version. With no attacker: the protections cost at most 5% of round
@@ -295,7 +295,7 @@ def analyse(nodes: list[dict[str, Any]], attack: str) -> dict[str, Any]:
 
 
 def targets(r: dict[str, Any], honest: dict[str, Any] | None) -> dict[str, Any]:
-    """Pass/fail of the issue's targets for one protected run."""
+    """Pass/fail of the targets for one protected run."""
     out: dict[str, Any] = {}
     if honest and honest.get("eval_loss") and r.get("eval_loss"):
         r["eval_ratio"] = r["eval_loss"] / honest["eval_loss"]

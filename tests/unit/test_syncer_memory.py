@@ -706,7 +706,7 @@ def test_a_node_one_version_behind_copies_the_state_and_joins_the_same_round() -
 # certified states
 # --------------------------------------------------------------------------------------
 def test_a_liar_claiming_a_huge_version_is_never_fetched_from_and_rounds_go_on() -> None:
-    """A peer whose record claims version 10^6 (issue 10's forged state), backed by fake
+    """A peer whose record claims version 10^6, backed by fake
     certificates (its own signature alone; two sybils signing for members they are not):
     honest nodes ignore it, never ask it for the state, report it once its grace has
     passed, and apply every round among themselves at the usual pace."""
