@@ -891,17 +891,27 @@ class AllReduceRound:
         digests = tuple(_sha(p.payload) for p in parts) if self._verify else ()
         return payload, total, digests
 
-    def _maybe_reduce(self) -> list[Action]:
-        """Once every part of our chunk is in: mean in fp32, encode once, broadcast."""
-        slot = self._slot
+    def _reduce_ready(
+        self, slot: _Slot, tamper: Callable[[bytes], bytes] | None
+    ) -> list[Action] | tuple[bytes, float, tuple[bytes, ...]]:
+        """``slot`` reduced once every part is in (nothing yet: ``[]``; a failure: its
+        actions), as the owner and the verifier of a chunk both do; ``tamper`` (tests
+        only) alters the encoded result."""
         if slot.done or not self._started or any(p is None for p in slot.parts):
             return []
         reduced = self._reduce(slot)
+        if isinstance(reduced, list) or tamper is None:
+            return reduced
+        payload, total, digests = reduced
+        return tamper(payload), total, digests
+
+    def _maybe_reduce(self) -> list[Action]:
+        """Once every part of our chunk is in: mean in fp32, encode once, broadcast."""
+        slot = self._slot
+        reduced = self._reduce_ready(slot, self._tamper_reduced)  # tamper: a hostile owner
         if isinstance(reduced, list):
             return reduced
         payload, total, digests = reduced
-        if self._tamper_reduced is not None:  # a hostile owner, for tests only
-            payload = self._tamper_reduced(payload)
         values = self._slot_of(self._mine)
         try:
             self._codec.decode_into(payload, values.size, values)
@@ -920,14 +930,12 @@ class AllReduceRound:
         """Once every part of the chunk we verify is in: reduce it as its owner must, and
         announce the digest of the result to every member."""
         slot = self._vslot
-        if slot is None or slot.done or not self._started or any(p is None for p in slot.parts):
+        if slot is None:
             return []
-        reduced = self._reduce(slot)
+        reduced = self._reduce_ready(slot, self._tamper_verified)  # a hostile verifier
         if isinstance(reduced, list):
             return reduced
         payload, total, digests = reduced
-        if self._tamper_verified is not None:  # a hostile verifier, for tests only
-            payload = self._tamper_verified(payload)
         slot.done = True
         j, key = slot.chunk, self.spec.key
         claim = _Claim(_sha(payload), total, digests)

@@ -195,13 +195,12 @@ class PeerTracker:
         holds its copy but joins no more groups)."""
         return [p for p in self.responsive() if self.live[p].training]
 
-    def expected(self, fragment: int, version: int, digest: str) -> list[str]:
+    def expected(self, fragment: int, version: int) -> list[str]:
         """The trainers whose record shows them due at ``fragment``'s slot of ``version``:
         they hold that version (this node's copy, or another one they will rebase from
         onto this node's, which the rebase rule already chose), or the version before
         (they rebase onto it before their round). A node that arrives at the slot first
-        waits for them (matchmaking's patience). ``digest`` is this node's copy; a peer
-        holding it at ``version`` is due whatever else it declared."""
+        waits for them (matchmaking's patience)."""
         due = []
         for p in self.trainers():
             r = self.live[p]

@@ -502,7 +502,7 @@ class Syncer:
             answer_s=answer_bound(self.timeouts),
             liveness=self.peers.liveness,
             patience_s=matchmaking_s,
-            expected=functools.partial(self.peers.expected, me.fragment, me.version, me.digest),
+            expected=functools.partial(self.peers.expected, me.fragment, me.version),
             banned=self._banned if self.strikes is not None else None,
         )
 
