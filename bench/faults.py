@@ -35,8 +35,9 @@ every global copy each node held: fragment, version, digest and the round's
 
 - per phase and node: rounds applied per minute, and against the warm-up's rate;
   rebases; apply-deadline waits (the trainer's waits that ran out);
-- per heal: seconds to the first round with every node in it, and per fragment how many
-  of its rounds after the heal came before that one;
+- per heal: seconds to the first round with every node in it, and per fragment which of
+  its rounds after the heal that was (rounds of the recovery phase only: none there is
+  null);
 - forks: one slot of one fragment applied by two groups (different leaders), inside a
   partition (or within one round timeout after its heal) and outside, separately;
 - whether every node ends on one global copy (``global_digest``), and hangs (a node that
@@ -47,12 +48,12 @@ rate; each partition side holding a quorum keeps committing (>= 2 rounds of its 
 every node in one round again within 2 rounds (of each fragment) after each heal; no fork
 outside partitions; one copy at the end; no hang.
 
-The schedule lasts about 7 minutes (``--warmup-s 60 --fault-s 50 --recover-s 40``; the cut
-1.5 round timeouts, 60 s). The nodes train ``--steps`` steps, by default enough for the
+The schedule lasts about 8 minutes (``--warmup-s 60 --fault-s 50 --recover-s 60``; the cut
+1.5 round timeouts, 60 s): a recovery phase holds about three rounds of each fragment. The nodes train ``--steps`` steps, by default enough for the
 schedule and 30 s more at ``--step-rate`` steps per second (1.6: 4 nodes with their
 network processes on 2 idle cores); a phase the run did not reach is marked ``cut_short``.
 After the last step every node settles (up to twice matchmaking plus round timeout), so a
-run takes the schedule, that and the start: about 9-10 minutes.
+run takes the schedule, that and the start: about 11 minutes.
 """
 
 from __future__ import annotations
@@ -449,7 +450,9 @@ def analyse(
                 for side in ph.nodes
             ]
         if ph.fault != "none":
-            entry["heal"] = _after_heal(rounds, ph.end, n, fragments)
+            after = ran[ran.index(ph) + 1] if ran.index(ph) + 1 < len(ran) else None
+            until = after.end if after is not None and after.fault == "none" else None
+            entry["heal"] = _after_heal(rounds, ph.end, n, fragments, until)
         out_phases.append(entry)
 
     forks = _forks(rounds, ran, round_timeout_s)
@@ -478,8 +481,14 @@ def analyse(
     }
 
 
-def _after_heal(rounds: list[Round], healed: float, n: int, fragments: int) -> dict[str, Any]:
-    after = [r for r in rounds if r.time >= healed]
+def _after_heal(
+    rounds: list[Round], healed: float, n: int, fragments: int, until: float | None
+) -> dict[str, Any]:
+    """The first round of every node after the heal at ``healed``, and per fragment which
+    of its rounds that was; only rounds up to ``until`` (the end of the recovery phase,
+    before the next fault) count: a full round that comes only after another fault is
+    None, not a late number."""
+    after = [r for r in rounds if r.time >= healed and (until is None or r.time <= until)]
     full = next((r for r in after if len(r.members) == n), None)
     per_fragment: dict[int, int | None] = {}
     for p in range(fragments):
@@ -576,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeouts-scale", type=float, default=1.0)
     ap.add_argument("--warmup-s", type=float, default=60.0)
     ap.add_argument("--fault-s", type=float, default=50.0)
-    ap.add_argument("--recover-s", type=float, default=40.0)
+    ap.add_argument("--recover-s", type=float, default=60.0)
     ap.add_argument("--steps", type=int, help="steps per node (default: from --step-rate)")
     ap.add_argument("--step-rate", type=float, default=1.6, help="expected steps/s per node")
     ap.add_argument("--hang-s", type=float, help="default: the end-of-run settle bound + 120")

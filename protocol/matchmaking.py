@@ -311,9 +311,14 @@ class Formed:
 
 @dataclass(frozen=True, slots=True)
 class Alone:
-    """No group this slot: skip the round, train on, declare again at the next slot."""
+    """No group this slot: skip the round, train on, declare again at the next slot.
+
+    ``withdrawn``: the peer left the slot early (:meth:`Matchmaker.withdraw`), because
+    the state it declared lost to another before any group formed; its Δ is untouched.
+    """
 
     reason: str
+    withdrawn: bool = False
 
 
 Action: TypeAlias = Send | Formed | Alone
@@ -547,6 +552,18 @@ class Matchmaker:
             self._extend()
         return out
 
+    def withdraw(self, reason: str, *, now: float) -> list[Action]:
+        """Leave the slot before the deadline: the state this peer declared lost to
+        another (the driver's rebase rule says so), so no group of this key should form.
+        Followers, the leader it waits for and held requesters are told, as at a
+        timeout; the outcome is :class:`Alone` with ``withdrawn`` set. Nothing happens
+        once the peer is formed or alone."""
+        out = self.tick(now)
+        if self._state in ("formed", "alone"):
+            return out
+        out.extend(self._give_up(f"withdrawn: {reason}", withdrawn=True))
+        return out
+
     def resize(self, settings: GroupSettings, *, now: float) -> list[Action]:
         """Take new group settings mid-slot (the peers that answer changed: a silent one
         no longer counts toward the quorum, say). A leader forms at once when its group
@@ -740,7 +757,7 @@ class Matchmaker:
             reason = "timeout: no group found"
         return self._give_up(reason)
 
-    def _give_up(self, reason: str) -> list[Action]:
+    def _give_up(self, reason: str, *, withdrawn: bool = False) -> list[Action]:
         """End alone; followers, the peer we wait for and held requesters are told."""
         out: list[Action] = [self._disband(f, reason) for f in self._accepted]
         if self._target is not None:
@@ -750,7 +767,7 @@ class Matchmaker:
         self._target = None
         self._quorum_at = None
         out.extend(self._release_held(self._deadline))
-        out.append(Alone(reason))
+        out.append(Alone(reason, withdrawn))
         return out
 
     # -- handlers --------------------------------------------------------------------------

@@ -36,7 +36,11 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    round, and every later one the same way (a peer that rebases at every sync and never
    averages again). A copy further ahead ends the sync (its Δ is too stale to offer).
 3. :meth:`FragmentSync.matched` with the matchmaking outcome: :class:`RunRound` for a
-   formed group, or a roll back when alone.
+   formed group, or a roll back when alone. While matching, the driver asks
+   :meth:`FragmentSync.outdated` whether the state this sync declared lost to another
+   one (after a split heals, the losing side learns it while it waits at its slot); it
+   then withdraws from the slot, and when the winner has the same version this sync
+   copies it and offers its Δ at the winner's group of the same slot, once, as in step 2.
 4. :meth:`FragmentSync.reduced` with the all-reduce outcome: Done is delivered (commit),
    Failed rolled back; a delivery the engine refuses is a roll back too.
 5. After the round, the holdings seen meanwhile decide whether to rebase
@@ -218,6 +222,7 @@ class FragmentSync:
         self._wall = 0.0
         self._local: np.ndarray | None = None  # the trainer's copy, to take Δ again
         self._rebased: tuple[int, int] | None = None  # (version, server step) of a rebase
+        self._withdrawn = ""  # why matchmaking left the slot for a winning copy, if it did
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -293,6 +298,12 @@ class FragmentSync:
         request = self._request
         assert request is not None
         if isinstance(found, mm.Alone):
+            if found.withdrawn and self._rebased is None and not self._withdrawn:
+                rebase = self._rebase_plan(holdings, same_version=request.round)
+                if rebase is not None:  # no round ran: Δ is offered again at the winner
+                    log.info("fragment %d: %s", self.fragment, found.reason)
+                    self._withdrawn = f"alone: {found.reason}"
+                    return rebase
             return self._roll_back("alone", f"alone: {found.reason}", holdings)
         if self.peer_id not in found.members:
             return self._roll_back("failed", "failed: a group without this peer", holdings)
@@ -379,11 +390,12 @@ class FragmentSync:
             not self._after_round
             and self._local is not None
             and request is not None
-            and version == request.round + 1
+            and version in (request.round, request.round + 1)
         ):
-            # before the round, one version behind: offer the same Δ at the new version
-            # (see the module docstring): local + (new − old) is as far from the new copy
-            # as the local copy was from the old one
+            # before the round, on a losing copy of the same version or one version
+            # behind: offer the same Δ at the new copy (see the module docstring):
+            # local + (new − old) is as far from the new copy as the local copy was from
+            # the old one
             assert old is not None
             shifted = self._local + (self.engine.global_params(self.fragment) - old)
             self._target = None
@@ -410,6 +422,8 @@ class FragmentSync:
         self._target = None
         if self._after_round:
             return self._finish()
+        if self._withdrawn:  # the slot was left for a copy nobody served: no round
+            return self._roll_back("alone", f"{self._withdrawn}; no holder served it", ())
         # a rebase before the round that nobody served: look for a group as planned
         request = self._request
         assert request is not None
@@ -455,9 +469,28 @@ class FragmentSync:
             )
         )
 
-    def _rebase_plan(self, holdings: Iterable[Holding]) -> FetchState | None:
+    def outdated(self, holdings: Iterable[Holding]) -> tuple[int, str] | None:
+        """While matching: the leading state of ``holdings`` when it is not the one this
+        sync declared (the rebase rule would copy it), else None. A pure query: the
+        driver polls it during matchmaking and withdraws from the slot when it answers
+        (a split's losing side learns it lost while it waits at its slot)."""
+        request = self._request
+        if self._phase != "matching" or request is None:
+            return None
+        mine = (request.round, self._digest)
+        others = [h for h in holdings if h[0] != self.peer_id]
+        if not others or not ss.should_rebase(self.peer_id, mine, others, believes=self._believes):
+            return None
+        return ss.leading_state(
+            [*others, (self.peer_id, *mine)], believes=ss.believing_own(self._believes, mine)
+        )
+
+    def _rebase_plan(
+        self, holdings: Iterable[Holding], *, same_version: int | None = None
+    ) -> FetchState | None:
         """A FetchState from the first holder of the leading state when this peer does not
-        hold it (:func:`~atoll.protocol.statesync.should_rebase`), else None."""
+        hold it (:func:`~atoll.protocol.statesync.should_rebase`), else None; with
+        ``same_version``, only a leading state at that version."""
         others = [h for h in holdings if h[0] != self.peer_id]
         if not others:  # nobody to follow (and no hash of the state needed to know it)
             return None
@@ -467,6 +500,8 @@ class FragmentSync:
             return None
         target = ss.leading_state([*others, (self.peer_id, *mine)], believes=believes)
         assert target is not None
+        if same_version is not None and target[0] != same_version:
+            return None
         holders = list(dict.fromkeys(peer for peer, v, d in others if (v, d) == target))
         if not holders:
             return None

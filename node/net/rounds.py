@@ -459,6 +459,7 @@ async def run_matchmaking(
     patience_s: float = 0.0,
     expected: Callable[[], Collection[str]] | None = None,
     banned: Callable[[str], bool] | None = None,
+    outdated: Callable[[], str | None] | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -476,7 +477,10 @@ async def run_matchmaking(
     peers due at this slot (read at every DHT view); one that has not declared yet
     extends the matchmaker's deadline by ``patience_s`` (once; see
     :class:`~atoll.protocol.matchmaking.Matchmaker`). ``banned``: the declarations of
-    banned peers are left out and their requests to join unanswered.
+    banned peers are left out and their requests to join unanswered. ``outdated``: asked
+    at every DHT view; a reason once the state ``me`` declared lost to another, and the
+    node then withdraws from the slot (:meth:`~atoll.protocol.matchmaking.Matchmaker.withdraw`)
+    instead of waiting out its deadline.
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
@@ -526,6 +530,9 @@ async def run_matchmaking(
             def observe(decls: list[mm.Declaration], now: float) -> list[Any]:
                 if view is not None:
                     view(decls)
+                lost = outdated() if outdated is not None else None
+                if lost is not None:
+                    return machine.withdraw(lost, now=now)
                 declared = {d.peer_id for d in decls}
                 if liveness is not None:  # a peer in its hold would not answer
                     decls = [d for d in decls if not liveness.suspected(d.peer_id, now)]

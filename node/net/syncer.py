@@ -207,6 +207,8 @@ class Syncer:
         (:meth:`~atoll.node.net.publisher.AttestationPublisher.sealed_for`)"""
         self._asking: set[tuple[str, int, int, str]] = set()
         """(peer, fragment, version, digest) asked now: one request of each at a time"""
+        self._looking: set[tuple[int, int, str]] = set()
+        """(fragment, version, digest) looked up in the background while matching"""
         self._unanswered: dict[str, float] = {}
         """peers that left a request unanswered -> when they may be asked again"""
         self.lock = trio.Lock()
@@ -276,6 +278,30 @@ class Syncer:
         with trio.move_on_after(within):
             await done.wait()
         return mine
+
+    def _certify_soon(self, p: int, holdings: list[fs.Holding], mine: tuple[int, str]) -> None:
+        """Look up, in the background, the certificates of the states in ``holdings``
+        that could change this node's choice and are not being looked up already."""
+        beliefs = self.peers.beliefs
+        if beliefs is None or self.background is None:
+            return
+        todo = [
+            s
+            for s in beliefs.to_check(p, holdings, now=trio.current_time(), mine=mine)
+            if (p, *s) not in self._looking
+        ]
+        if not todo:
+            return
+        keys = [(p, *s) for s in todo]
+        self._looking.update(keys)
+
+        async def run() -> None:
+            try:
+                await self._certify_all(p, todo, holdings)
+            finally:
+                self._looking.difference_update(keys)
+
+        self.background.start_soon(run)
 
     async def _certify_all(
         self, p: int, todo: Sequence[tuple[int, str]], declared: list[fs.Holding]
@@ -436,7 +462,7 @@ class Syncer:
             if isinstance(action, fs.SyncDone):
                 return action
             if isinstance(action, fs.FindGroup):
-                found = await self._find_group(action.declaration, seen)
+                found = await self._find_group(machine, action.declaration, seen)
                 holdings = await self._holdings(machine.fragment, seen)
                 action = await self.engine_call(machine.matched, found, holdings)
                 self._log_slot(action, machine, seen)
@@ -478,13 +504,24 @@ class Syncer:
             )
 
     async def _find_group(
-        self, me: mm.Declaration, seen: dict[str, tuple[int, str]]
+        self, machine: fs.FragmentSync, me: mm.Declaration, seen: dict[str, tuple[int, str]]
     ) -> mm.Formed | mm.Alone:
         def on_view(decls: list[mm.Declaration]) -> None:
             for d in decls:
                 if d.peer_id != self.transport.peer_id:
                     seen[d.peer_id] = (d.version, d.digest)
                     self.peers.saw(d.peer_id)
+
+        def outdated() -> str | None:
+            # the certificates known now; the states not believed yet are looked up in
+            # the background (once at a time), so a view costs no round trip
+            mine = (me.version, me.digest)
+            known = self._known(me.fragment, seen)
+            self._certify_soon(me.fragment, known, mine)
+            lead = machine.outdated(self.peers.believed(me.fragment, known, mine))
+            if lead is None:
+                return None
+            return f"the swarm follows version {lead[0]} ({lead[1][:12]}), not this one"
 
         matchmaking_s = self.timeouts.matchmaking_s
         return await run_matchmaking(
@@ -504,6 +541,7 @@ class Syncer:
             patience_s=matchmaking_s,
             expected=functools.partial(self.peers.expected, me.fragment, me.version),
             banned=self._banned if self.strikes is not None else None,
+            outdated=outdated,
         )
 
     async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:
@@ -528,11 +566,16 @@ class Syncer:
         (:meth:`certify`): after a split heals, this is where the side off the leading
         copy learns that it is certified, and rebases. In a healthy swarm there is
         nothing to look up here (the group's members hold this node's state)."""
-        live = {peer: (peer, v, d) for peer, v, d in self.peers.declared(p)}
-        live.update((peer, (peer, v, d)) for peer, (v, d) in seen.items() if not self._banned(peer))
-        holdings = list(live.values())
+        holdings = self._known(p, seen)
         mine = await self.certify(p, holdings, within=CERTIFY_IN_SYNC_S)
         return self.peers.believed(p, holdings, mine)
+
+    def _known(self, p: int, seen: dict[str, tuple[int, str]]) -> list[fs.Holding]:
+        """The live records' holdings of ``p`` updated by the slot's declarations
+        ``seen``, believed or not."""
+        live = {peer: (peer, v, d) for peer, v, d in self.peers.declared(p)}
+        live.update((peer, (peer, v, d)) for peer, (v, d) in seen.items() if not self._banned(peer))
+        return list(live.values())
 
     def _checkpoint(self, p: int, slot: int) -> Callable[[str], None] | None:
         return self.fault(p, slot) if self.fault is not None else None

@@ -862,3 +862,33 @@ def test_patience_must_be_finite_and_not_negative() -> None:
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ConfigError):
             Matchmaker(decl("x"), GroupSettings(), now=0.0, timeout=1.0, patience=bad)
+
+
+def test_a_leader_that_withdraws_tells_its_followers_and_ends_alone_withdrawn() -> None:
+    lead, a, b = by_rank(peers(3))
+    m = Matchmaker(decl(lead), GroupSettings(3, 8, 1.0), now=0.0, timeout=6.0)
+    m.observe([decl(lead), decl(a), decl(b)], now=0.0)
+    m.receive(request(decl(a)), now=0.5)  # accepted; the quorum of 3 is not reached
+    assert m.state == "leading"
+    out = m.withdraw("the swarm follows another copy", now=1.0)
+    reason = "withdrawn: the swarm follows another copy"
+    assert outcome(out) == [Alone(reason, withdrawn=True)]
+    assert sends(out) == [(a, Disband(lead, RUN, FRAG, SLOT, VERSION, DIGEST, reason))]
+    assert m.state == "alone"
+    assert m.withdraw("again", now=2.0) == []  # final: nothing more
+
+
+def test_a_follower_that_withdraws_tells_its_leader_and_a_formed_peer_stays_formed() -> None:
+    lead, a = by_rank(peers(2))
+    f = Matchmaker(decl(a), GroupSettings(2, 8, 1.0), now=0.0, timeout=6.0)
+    out = f.observe([decl(lead), decl(a)], now=0.0)
+    assert sends(out) == [(lead, request(decl(a)))]
+    out = f.withdraw("lost", now=0.5)
+    assert sends(out) == [(lead, Disband(a, RUN, FRAG, SLOT, VERSION, DIGEST, "withdrawn: lost"))]
+    assert outcome(out) == [Alone("withdrawn: lost", withdrawn=True)]
+    # a leader whose group is formed does not withdraw from it
+    m = Matchmaker(decl(lead), GroupSettings(2, 2, 1.0), now=0.0, timeout=6.0)
+    m.observe([decl(lead), decl(a)], now=0.0)
+    out = m.receive(request(decl(a)), now=0.5)
+    assert [type(x) for x in outcome(out)] == [Formed]
+    assert m.withdraw("lost", now=1.0) == [] and m.state == "formed"

@@ -306,3 +306,94 @@ def test_only_the_sync_machine_applies_or_skips_a_round() -> None:
                 ):
                     callers.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not callers, f"engine deliver/skip/import called outside protocol/sync.py: {callers}"
+
+
+# --------------------------------------------------------------------------------------
+# withdrawing from a slot whose copy lost (a healed split)
+# --------------------------------------------------------------------------------------
+def _fork(init: float = 0.5) -> tuple[OuterEngine, list[fs.Holding]]:
+    """Two peers holding another copy of the same version (the other side of a split):
+    more holders than this peer's copy, so the rule picks theirs."""
+    other = _engine(seed=3, init=init)
+    return other, [(f"peer-side-{i}", other.version(0), other.digest(0)) for i in range(2)]
+
+
+def test_outdated_names_the_winning_copy_only_while_matching() -> None:
+    engine = _engine()
+    other, fork = _fork()
+    sync = _sync(engine)
+    assert sync.outdated(fork) is None  # nothing declared yet
+    sync.begin(_local(1.0), step=3)
+    assert sync.outdated(fork) is None
+    sync.plan([], wall_now=0.0)
+    assert sync.outdated([]) is None
+    assert sync.outdated([(ME, 0, other.digest(0))]) is None  # this peer's own rows
+    assert sync.outdated(fork) == (0, other.digest(0))
+    _, ahead = _ahead()
+    assert sync.outdated([ahead]) == ahead[1:]
+    # one holder each at the same version: the smallest digest wins
+    lone = fork[:1]
+    expect = (0, other.digest(0)) if other.digest(0) < engine.digest(0) else None
+    assert sync.outdated(lone) == expect
+    # a state the peer does not believe is never the winner
+    engine2 = _engine()
+    doubter = fs.FragmentSync(engine2, 0, peer_id=ME, run_id=RUN, believes=lambda v, d: False)
+    doubter.begin(_local(1.0), step=3)
+    doubter.plan([], wall_now=0.0)
+    assert doubter.outdated(fork) is None
+    assert doubter.outdated([ahead]) is None
+
+
+def test_withdrawn_from_a_losing_copy_the_peer_offers_its_delta_at_the_winner() -> None:
+    """The split's losing side left its slot early: it copies the winning copy of the same
+    version and declares the same slot again on it, with the same pseudo-gradient."""
+    engine, changes = _engine(), []
+    other, fork = _fork()
+    sync = _sync(engine, changes)
+    first = sync.begin(_local(1.0), step=3)
+    sync.plan([], wall_now=7.0)
+    action = sync.matched(mm.Alone("withdrawn: lost", withdrawn=True), fork)
+    assert action == fs.FetchState(0, "peer-side-0", (0, other.digest(0)), N)
+    again = sync.fetched(other.export_fragment(0, step=50))
+    assert isinstance(again, fs.FindGroup)
+    d = again.declaration
+    assert (d.slot, d.version, d.digest, d.declared_at) == (0, 0, other.digest(0), 7.0)
+    pending = engine.pending(0)
+    assert pending is not None and pending.payload == first.payload  # the same Δ (fp32)
+    assert changes == [(0, "rebase")]
+    # a second withdrawal in the same sync: no second copy, the round is rolled back
+    done = sync.matched(mm.Alone("withdrawn: lost again", withdrawn=True), fork)
+    assert isinstance(done, fs.SyncDone) and done.round_status == "alone"
+    assert done.rebased and engine.pending(0) is None
+    assert engine.stats(0).skipped == 2  # the import's skip of Δ, then the round's
+
+
+def test_withdrawn_for_a_newer_version_the_round_is_rolled_back_then_rebased() -> None:
+    """A copy one version ahead: its group already ran, so the sync ends with a rebase
+    (the next sync meets the swarm at the new slot) instead of waiting at a new slot."""
+    engine = _engine()
+    other, ahead = _ahead()
+    sync = _sync(engine)
+    sync.begin(_local(1.0), step=3)
+    sync.plan([], wall_now=0.0)
+    action = sync.matched(mm.Alone("withdrawn: behind", withdrawn=True), [ahead])
+    assert isinstance(action, fs.FetchState)
+    done = sync.fetched(other.export_fragment(0, step=9))
+    assert isinstance(done, fs.SyncDone) and done.rebased and done.round_status == "alone"
+    assert engine.version(0) == 1 and engine.pending(0) is None
+
+
+def test_withdrawn_when_nobody_serves_the_winner_the_round_is_rolled_back() -> None:
+    engine = _engine()
+    _, fork = _fork()
+    sync = _sync(engine)
+    sync.begin(_local(1.0), step=3)
+    sync.plan([], wall_now=0.0)
+    action = sync.matched(mm.Alone("withdrawn: lost", withdrawn=True), fork)
+    assert isinstance(action, fs.FetchState)
+    assert isinstance(sync.fetch_failed("timeout"), fs.FetchState)  # the second holder
+    done = sync.fetch_failed("timeout")
+    assert isinstance(done, fs.SyncDone)
+    assert done.round_status == "alone" and not done.applied and not done.rebased
+    assert "no holder served it" in done.reason
+    assert engine.pending(0) is None and engine.stats(0).skipped == 1
