@@ -43,9 +43,10 @@ validating, so every reader validates again: :meth:`AtollDHT.get` never trusts a
 copy, its own included.
 
 What is used of the library, and what not. Its server side (the stream handler, the
-value and provider stores), its routing table and its iterative FIND_NODE lookup
-(``find_closest_peers_network``, its streams bounded by the host proxy, see "Timeouts and
-failures") are used as they are, and so are its one-peer RPCs
+value and provider stores, behind atoll's gates: see "What peers may store here"), its
+routing table and its iterative FIND_NODE lookup (``find_closest_peers_network``, its
+streams bounded by the host proxy, see "Timeouts and failures") are used as they are, and
+so are its one-peer RPCs
 (``_store_at_peer``, ``_get_from_peer``, ``_send_add_provider``,
 ``_get_providers_from_peer_with_closers``: private names). Every such reach-in, the
 stores and the routing table included, goes through :mod:`atoll.dht.libp2p_internals`,
@@ -144,6 +145,36 @@ announce), accepts at most 10 ADD_PROVIDER per peer per 10 s, keeps 50,000 value
 ready topic, or a run's peers topic, with more than 20 peers is seen in part by each
 server.
 
+What peers may store here
+-------------------------
+The library bounds neither store per peer, nor its provider store in all, and a peer may
+store under any number of keys (one signer can seal records for any run, fragment and
+slot; identities are free). So every value and provider entry a peer sends passes a gate
+(:func:`~atoll.dht.libp2p_internals.bound_value_store`,
+:func:`~atoll.dht.libp2p_internals.bound_provider_store`) that counts it in a
+:class:`StoreLedger`, one per store, under :class:`StoreBounds`: by default
+:data:`MAX_STORED` entries in all, :data:`MAX_STORED_PER_PEER` per peer, and a fair share
+of :data:`FAIR_SHARE`. A value counts for its signer (the peer id in its key, which the
+validator has just checked against the seal), a provider entry for its provider (the
+library keeps the sender's own only).
+
+Where one more entry would pass a bound, the ledger first drops the expired entries (a
+value at its record's ``expires_at``; a provider entry ``MAX_TTL_S + max_skew_s`` after it
+arrived, when any record it may point to has expired). Then a peer at ``per_peer`` loses
+its own oldest entry (by arrival); at ``total``, the peer that holds the most loses its
+oldest, if it holds more than its fair share, and otherwise the arriving entry is refused.
+A refused PUT_VALUE is reset; a refused ADD_PROVIDER is echoed and not kept, as is one the
+library would not keep (its topic holds 20 providers already). So a flooder evicts its own
+entries first, and many fresh identities with a few entries each can take the room that
+is free but evict nothing that honest peers hold within their fair share. This node's own
+records (put by :meth:`AtollDHT.put` and the ``announce_*`` methods, or stored back here
+by a peer) are neither counted nor evicted. A kept value is stored as its key, value and
+arrival time only (the library would keep whatever ``author`` field the sender set, up to
+1 MiB), a kept provider entry with at most :data:`~atoll.dht.records.MAX_ADDRS` addresses.
+Drops and refusals are logged at INFO, naming the peer (and the sender, when another), at
+most once a minute per peer and kind and 20 lines a minute in all;
+:meth:`AtollDHT.store_usage` tells the counts.
+
 The host must have this module's stream handler before it connects to anyone: identify
 tells peers which protocols a host serves, and peers that identified this host earlier do
 not learn of :data:`DHT_PROTOCOL` until they connect again. Enter :meth:`AtollDHT.start`
@@ -155,11 +186,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import heapq
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
 
 import multiaddr
 import trio
@@ -177,6 +211,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from atoll.dht import libp2p_internals, quorum
 from atoll.dht.directory import Clock
 from atoll.dht.keys import (
+    KEY_PREFIX,
     NAMESPACE,
     attest_key,
     attest_topic,
@@ -193,6 +228,9 @@ from atoll.dht.libp2p_internals import LIBRARY_PROTOCOL
 from atoll.dht.quorum import Reply, Tally
 from atoll.dht.records import (
     DEFAULT_MAX_SKEW_S,
+    MAX_ADDR_LEN,
+    MAX_ADDRS,
+    MAX_TTL_S,
     AttestationRecord,
     EvidenceRecord,
     PeerRecord,
@@ -216,7 +254,17 @@ from atoll.protocol.errors import (
 )
 from atoll.protocol.liveness import Liveness
 
-__all__ = ["DHT_PROTOCOL", "AtollDHT"]
+__all__ = [
+    "DHT_PROTOCOL",
+    "FAIR_SHARE",
+    "MAX_STORED",
+    "MAX_STORED_PER_PEER",
+    "Admission",
+    "AtollDHT",
+    "StoreBounds",
+    "StoreLedger",
+    "StoreUsage",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +286,12 @@ _T = TypeVar("_T")
 _IN_LOOKUP: contextvars.ContextVar[bool] = contextvars.ContextVar("atoll_dht_lookup", default=False)
 """True in the task of an iterative lookup (:meth:`AtollDHT._lookup`) and the tasks the
 library starts for it: :class:`_KadHost` then refuses streams to silent peers."""
+
+_SENDER: contextvars.ContextVar[str] = contextvars.ContextVar("atoll_dht_sender", default="")
+"""The peer id of the peer whose DHT stream this task serves ("" elsewhere): set by
+:class:`_KadHost` for the library's handler, read by the store gates' log lines."""
+
+_KEY_PREFIX_BYTES = KEY_PREFIX.encode("utf-8")  # every atoll key and topic starts so
 
 
 # -- the host as KadDHT sees it -----------------------------------------------------------------
@@ -336,7 +390,11 @@ class _KadHost:
                 peer = ""
             if peer:
                 liveness.heard(peer, trio.current_time())
-            await handler(stream)
+            token = _SENDER.set(peer)
+            try:
+                await handler(stream)
+            finally:
+                _SENDER.reset(token)
 
         return handle
 
@@ -353,15 +411,35 @@ class _RecordValidator(Validator):
         self._verifier = verifier
         self._clock = clock
         self._max_skew_s = max_skew_s
+        self._last: tuple[str, bytes, Record] | None = None  # what validate opened last
 
     def validate(self, key: str, value: bytes) -> None:
-        decode_value(
+        record = decode_value(
             value,
             key=key,
             now=self._clock.wall(),
             verifier=self._verifier,
             max_skew_s=self._max_skew_s,
         )
+        self._last = (key, value, record)
+
+    def recall(self, key: str, value: bytes) -> Record | None:
+        """The record ``value`` holds for ``key``: the one :meth:`validate` opened last
+        when it is this one (the library's handler validates a value right before it
+        keeps it), else opened now; None when it breaks a rule."""
+        last = self._last
+        if last is not None and last[0] == key and last[1] == value:
+            return last[2]
+        try:
+            return decode_value(
+                value,
+                key=key,
+                now=self._clock.wall(),
+                verifier=self._verifier,
+                max_skew_s=self._max_skew_s,
+            )
+        except RejectedRecord:
+            return None
 
     def select(self, key: str, values: list[bytes]) -> int:
         return select_value(
@@ -371,6 +449,424 @@ class _RecordValidator(Validator):
             verifier=self._verifier,
             max_skew_s=self._max_skew_s,
         )
+
+
+# -- what the network may store here ----------------------------------------------------------
+MAX_STORED = 4096
+"""Default of :attr:`StoreBounds.total`: values (and, apart, provider entries) that peers
+of the network may make this node keep, all of them together."""
+
+MAX_STORED_PER_PEER = 256
+"""Default of :attr:`StoreBounds.per_peer`: values of one signer (provider entries of one
+provider) kept here."""
+
+FAIR_SHARE = 32
+"""Default of :attr:`StoreBounds.fair_share`: a peer holding at most this many entries here
+is never evicted to make room for another peer's."""
+
+_NOTICE_INTERVAL_S = 60.0  # one log line per peer and kind of drop, at most, this often
+_NOTICE_BUDGET = 20  # such lines a minute, at most, for all peers together
+_NOTICE_PEERS = 1024  # (peer, kind) pairs whose last line is remembered, at most
+
+_K = TypeVar("_K", bound=Hashable)  # a ledger's key: bytes (values), (key, peer) (providers)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBounds:
+    """How much of one of this node's DHT stores (values; provider entries) the network may
+    fill; each store has its own count. This node's own records are not counted.
+
+    At :attr:`total`, an arriving entry first makes the ledger drop the expired entries,
+    then evict the oldest (by arrival) entry of the peer that holds the most, when that
+    peer holds more than :attr:`fair_share`; otherwise the arriving entry is refused. A
+    peer at :attr:`per_peer` makes room among its own entries the same way. So a flooder
+    evicts its own entries first, and many fresh identities with a few entries each can
+    fill the room that is free but evict nobody's fair share.
+    """
+
+    total: int = MAX_STORED
+    """entries kept in all"""
+    per_peer: int = MAX_STORED_PER_PEER
+    """entries kept of one peer (a value's signer, a provider entry's provider)"""
+    fair_share: int = FAIR_SHARE
+    """entries of one peer that no other peer's entry evicts"""
+
+    def __post_init__(self) -> None:
+        for name in ("total", "per_peer", "fair_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"StoreBounds {name} must be an int, not {value!r}")
+        if not 1 <= self.per_peer <= self.total:
+            raise ConfigError(
+                f"StoreBounds needs 1 <= per_peer <= total, not {self.per_peer} and {self.total}"
+            )
+        if not 0 <= self.fair_share < self.per_peer:
+            raise ConfigError(
+                f"StoreBounds needs 0 <= fair_share < per_peer ({self.per_peer}),"
+                f" not {self.fair_share}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Admission(Generic[_K]):
+    """What :meth:`StoreLedger.admit` decided; the store drops :attr:`drops` whether or
+    not the entry is admitted."""
+
+    admitted: bool
+    """keep the arriving entry"""
+    expired: tuple[_K, ...] = ()
+    """entries dropped because they expired"""
+    evicted: tuple[tuple[_K, str], ...] = ()
+    """live entries evicted, with their peers"""
+    reason: str = ""
+    """why entries were evicted, or the entry refused"""
+
+    @property
+    def drops(self) -> tuple[_K, ...]:
+        """Every entry to drop from the store: the expired, then the evicted."""
+        return self.expired + tuple(key for key, _ in self.evicted)
+
+
+@dataclass(slots=True)
+class _Held:
+    """One entry of a ledger: its peer, its expiry (wall clock) and its arrival number."""
+
+    peer: str
+    expires_at: float
+    arrival: int
+
+
+class StoreLedger(Generic[_K]):
+    """The entries peers made a store keep, and which to drop when one more arrives: the
+    rule of :class:`StoreBounds`, with no store, clock or network of its own (pure).
+
+    An admission costs O(log n), plus the expired entries it drops (each once) and, when
+    the top count empties, one pass over the distinct counts (at most ``per_peer``). Among
+    peers tied for the most, the arriving peer is evicted from if it is one of them, else
+    the one that reached that count last.
+    """
+
+    def __init__(self, bounds: StoreBounds) -> None:
+        self.bounds = bounds
+        self._held: dict[_K, _Held] = {}
+        self._order: dict[str, dict[_K, None]] = {}  # per peer, oldest arrival first
+        self._tiers: dict[int, dict[str, None]] = {}  # count -> peers, the latest to reach it last
+        self._most = 0
+        self._expiry: list[tuple[float, int, _K]] = []  # a heap; stale items skipped
+        self._arrivals = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held
+
+    def held_by(self, peer: str) -> int:
+        """How many entries of ``peer`` are kept."""
+        return len(self._order.get(peer, ()))
+
+    def usage(self) -> dict[str, int]:
+        """Entries kept per peer."""
+        return {peer: len(keys) for peer, keys in self._order.items()}
+
+    def admit(self, key: _K, peer: str, expires_at: float, now: float) -> Admission[_K]:
+        """Whether ``peer``'s entry ``key``, valid until ``expires_at``, is kept at wall time
+        ``now``, and which entries make room for it (see :class:`StoreBounds`). An entry
+        already kept is replaced in place: a newer record of the same key takes no room."""
+        held = self._held.get(key)
+        if held is not None and held.peer == peer:
+            self._remove(key)
+            self._add(key, peer, expires_at)
+            return Admission(True)
+        if held is not None:  # the key changed hands: counted anew
+            self._remove(key)
+        expired: list[_K] = []
+        if self.held_by(peer) >= self.bounds.per_peer:
+            expired = self._drop_expired(now)
+            if self.held_by(peer) >= self.bounds.per_peer:
+                reason = f"over its {self.bounds.per_peer}"
+                evicted = ((self._evict_oldest(peer), peer),)
+                self._add(key, peer, expires_at)
+                return Admission(True, tuple(expired), evicted, reason)
+        if len(self._held) >= self.bounds.total:
+            expired += self._drop_expired(now)
+        if len(self._held) < self.bounds.total:
+            self._add(key, peer, expires_at)
+            return Admission(True, tuple(expired))
+        return self._make_room(key, peer, expires_at, tuple(expired))
+
+    def forget(self, key: _K) -> None:
+        """Stop counting ``key`` (the store dropped it itself); nothing if not counted."""
+        if key in self._held:
+            self._remove(key)
+
+    def _make_room(
+        self, key: _K, peer: str, expires_at: float, expired: tuple[_K, ...]
+    ) -> Admission[_K]:
+        """At :attr:`StoreBounds.total` with nothing expired: evict the oldest entry of the
+        peer that holds the most, if it holds over its fair share; else refuse."""
+        victim = self._largest(prefer=peer)
+        count = self.held_by(victim)
+        if count <= self.bounds.fair_share:
+            reason = (
+                f"{len(self._held)} entries kept, none expired, and no peer holds over"
+                f" {self.bounds.fair_share}"
+            )
+            return Admission(False, expired, (), reason)
+        reason = f"{count} of the {len(self._held)} kept, the most"
+        evicted = ((self._evict_oldest(victim), victim),)
+        self._add(key, peer, expires_at)
+        return Admission(True, expired, evicted, reason)
+
+    def _largest(self, prefer: str) -> str:
+        """The peer holding the most entries: ``prefer`` if it is one of them, else the
+        one that reached that count last. The ledger is not empty."""
+        tier = self._tiers[self._most]
+        return prefer if prefer in tier else next(reversed(tier))
+
+    def _evict_oldest(self, peer: str) -> _K:
+        oldest = next(iter(self._order[peer]))
+        self._remove(oldest)
+        return oldest
+
+    def _drop_expired(self, now: float) -> list[_K]:
+        """Drop every entry whose expiry ``now`` reached; the keys dropped."""
+        dropped: list[_K] = []
+        while self._expiry and self._expiry[0][0] <= now:
+            _, arrival, key = heapq.heappop(self._expiry)
+            held = self._held.get(key)
+            if held is not None and held.arrival == arrival:
+                self._remove(key)
+                dropped.append(key)
+        return dropped
+
+    def _add(self, key: _K, peer: str, expires_at: float) -> None:
+        self._arrivals += 1
+        self._held[key] = _Held(peer, expires_at, self._arrivals)
+        order = self._order.setdefault(peer, {})
+        order[key] = None
+        self._recount(peer, len(order) - 1, len(order))
+        heapq.heappush(self._expiry, (expires_at, self._arrivals, key))
+        if len(self._expiry) > 2 * len(self._held) + 64:  # mostly stale: rebuild
+            self._expiry = [(h.expires_at, h.arrival, k) for k, h in self._held.items()]
+            heapq.heapify(self._expiry)
+
+    def _remove(self, key: _K) -> None:
+        peer = self._held.pop(key).peer
+        order = self._order[peer]
+        del order[key]
+        self._recount(peer, len(order) + 1, len(order))
+        if not order:
+            del self._order[peer]
+
+    def _recount(self, peer: str, old: int, new: int) -> None:
+        """Move ``peer`` from the tier of ``old`` entries to that of ``new``."""
+        if old:
+            tier = self._tiers[old]
+            del tier[peer]
+            if not tier:
+                del self._tiers[old]
+        if new:
+            self._tiers.setdefault(new, {})[peer] = None
+        if new > self._most:
+            self._most = new
+        elif self._most not in self._tiers:
+            self._most = max(self._tiers, default=0)
+
+
+class _Notices:
+    """Says each ``(kind, peer)`` at most once per ``interval_s``, with a count of the events
+    held back since, and at most ``budget`` lines per interval in all (fresh identities
+    are free: a line per peer alone would not bound the log); remembers at most
+    ``capacity`` pairs."""
+
+    def __init__(
+        self,
+        interval_s: float = _NOTICE_INTERVAL_S,
+        *,
+        budget: int = _NOTICE_BUDGET,
+        capacity: int = _NOTICE_PEERS,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._interval_s = interval_s
+        self._budget = budget
+        self._capacity = capacity
+        self._now = now
+        self._said: dict[tuple[str, str], float] = {}  # oldest first
+        self._pending: dict[tuple[str, str], int] = {}  # of pairs in _said only
+        self._window = -math.inf  # when the current interval of the budget began
+        self._lines = 0  # lines said in it
+        self._withheld = 0  # events not said for the budget, since withheld() was asked
+
+    def due(self, kind: str, peer: str, count: int = 1) -> int:
+        """Note ``count`` more events; how many to say now (0: not yet)."""
+        what = (kind, peer)
+        now = self._now()
+        last = self._said.get(what)
+        if last is not None and now - last < self._interval_s:
+            self._pending[what] = self._pending.get(what, 0) + count
+            return 0
+        if now - self._window >= self._interval_s:
+            self._window, self._lines = now, 0
+        if self._lines >= self._budget:
+            self._withheld += count
+            return 0
+        self._lines += 1
+        self._said.pop(what, None)
+        self._said[what] = now
+        said = self._pending.pop(what, 0) + count
+        if len(self._said) > self._capacity:
+            self._forget(now)
+        return said
+
+    def withheld(self) -> int:
+        """The events left unsaid for the budget since the last call."""
+        withheld, self._withheld = self._withheld, 0
+        return withheld
+
+    def _forget(self, now: float) -> None:
+        """Forget the pairs said over an interval ago, then the oldest half if still over."""
+        stale = [w for w, t in self._said.items() if now - t >= self._interval_s]
+        if len(self._said) - len(stale) > self._capacity:
+            stale = list(self._said)[: len(self._said) // 2]
+        for what in stale:
+            del self._said[what]
+            self._pending.pop(what, None)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """What peers of the network hold in this node's DHT stores (its own records aside)."""
+
+    values: int
+    """values kept"""
+    providers: int
+    """provider entries kept"""
+    values_by_signer: dict[str, int]
+    """values kept per signer"""
+    providers_by_peer: dict[str, int]
+    """provider entries kept per provider"""
+
+
+class _StoreGuard:
+    """The gates of this node's two stores (see :mod:`atoll.dht.libp2p_internals`): every
+    value and provider entry a peer sends passes its :class:`StoreLedger`, this node's own
+    records pass untouched, and drops and refusals are logged (INFO, once a minute per
+    peer and kind with a count, and at most :data:`_NOTICE_BUDGET` lines a minute)."""
+
+    def __init__(
+        self,
+        bounds: StoreBounds,
+        *,
+        own_peer: str,
+        clock: Clock,
+        max_skew_s: float,
+        recall: Callable[[str, bytes], Record | None],
+        takes_provider: Callable[[bytes, str], bool] = lambda key, peer: True,
+        notices: _Notices | None = None,
+    ) -> None:
+        self.value_ledger: StoreLedger[bytes] = StoreLedger(bounds)
+        self.provider_ledger: StoreLedger[tuple[bytes, str]] = StoreLedger(bounds)
+        self._own = own_peer
+        self._clock = clock
+        self._provider_life_s = MAX_TTL_S + max_skew_s
+        self._recall = recall
+        self._takes_provider = takes_provider
+        self._notices = notices if notices is not None else _Notices()
+
+    def usage(self) -> StoreUsage:
+        """The counts of both ledgers."""
+        return StoreUsage(
+            len(self.value_ledger),
+            len(self.provider_ledger),
+            self.value_ledger.usage(),
+            self.provider_ledger.usage(),
+        )
+
+    def admit_value(self, key: bytes, value: bytes) -> tuple[list[bytes], str | None]:
+        """The gate of a value a peer stores here (it passed the validator): the keys to
+        drop first, and why it is refused (None: keep it)."""
+        try:
+            text = key.decode("utf-8")
+            signer = parse_key(text).peer_id
+        except (UnicodeDecodeError, CodecError):
+            return [], "not a record key"
+        if signer == self._own:
+            return [], None  # this node's own record, put back by a peer: not counted
+        record = self._recall(text, value)
+        if record is None:
+            return [], "not a valid record"
+        admission = self.value_ledger.admit(key, signer, record.expires_at, self._clock.wall())
+        self._tell("value", signer, admission)
+        return list(admission.drops), None if admission.admitted else admission.reason
+
+    def admit_provider(
+        self, key: bytes, provider: PeerInfo
+    ) -> tuple[list[tuple[bytes, str]], PeerInfo | None]:
+        """The gate of a provider entry: the entries to drop first, and the entry to keep
+        (at most :data:`~atoll.dht.records.MAX_ADDRS` addresses of at most
+        :data:`~atoll.dht.records.MAX_ADDR_LEN` bytes), or None to refuse it. An entry
+        lives as long as the longest record it may point to. One the library would not
+        keep (``takes_provider`` says no: its topic is full) is refused uncounted."""
+        peer = str(provider.peer_id)
+        if peer == self._own:
+            return [], provider
+        addrs = [a for a in provider.addrs if len(a.to_bytes()) <= MAX_ADDR_LEN][:MAX_ADDRS]
+        why = ""
+        if not key.startswith(_KEY_PREFIX_BYTES):
+            why = "not an atoll topic"
+        elif not addrs:
+            why = "no address of a sane length"
+        elif not self._takes_provider(key, peer):
+            why = "the topic has all the providers the library keeps"
+        if why:
+            self._tell("provider entry", peer, Admission(False, reason=why))
+            return [], None
+        now = self._clock.wall()
+        admission = self.provider_ledger.admit((key, peer), peer, now + self._provider_life_s, now)
+        self._tell("provider entry", peer, admission)
+        kept = PeerInfo(provider.peer_id, addrs) if admission.admitted else None
+        return list(admission.drops), kept
+
+    def _tell(self, noun: str, peer: str, admission: Admission[Any]) -> None:
+        """Log what ``admission`` did to peers' entries (rate-limited per peer)."""
+        if admission.expired:
+            logger.debug("DHT store: dropped %s", _count(len(admission.expired), f"expired {noun}"))
+        victims: dict[str, int] = {}
+        for _, victim in admission.evicted:
+            victims[victim] = victims.get(victim, 0) + 1
+        for victim, count in victims.items():
+            self._say("dropped", noun, victim, count, f"oldest first; {admission.reason}")
+        if not admission.admitted:
+            self._say("refused", noun, peer, 1, admission.reason)
+
+    def _say(self, verb: str, noun: str, peer: str, count: int, why: str) -> None:
+        """One INFO line, unless one for ``verb``, ``noun`` and ``peer`` was logged within
+        the last minute; its count covers the time since that one."""
+        said = self._notices.due(f"{verb} {noun}", peer, count)
+        if not said:
+            return
+        sender = _SENDER.get()
+        withheld = self._notices.withheld()
+        logger.info(
+            "DHT store: %s %s of peer %s%s: %s%s",
+            verb,
+            _count(said, noun),
+            peer,
+            f" (sent by {sender})" if sender and sender != peer else "",
+            why,
+            f" ({withheld} more drops and refusals went unlogged: {_NOTICE_BUDGET} lines a"
+            " minute at most)"
+            if withheld
+            else "",
+        )
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural when ``n`` is not 1 ("1 value", "3 provider entries")."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") else f"{n} {noun}s"
 
 
 # -- the adapter ------------------------------------------------------------------------------
@@ -397,6 +893,7 @@ class AtollDHT:
         liveness: Liveness,
         nursery: trio.Nursery,
         kad_host: _KadHost | None = None,
+        store_guard: _StoreGuard | None = None,
     ) -> None:
         self._host = host
         self._kad = kad
@@ -413,6 +910,7 @@ class AtollDHT:
         self._nursery = nursery
         self._admitting: set[ID] = set()
         self._kad_host = kad_host
+        self._store_guard = store_guard
 
     @classmethod
     @asynccontextmanager
@@ -429,6 +927,7 @@ class AtollDHT:
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         liveness: Liveness | None = None,
         rpc_timeout_s: float | None = None,
+        store_bounds: StoreBounds | None = None,
     ) -> AsyncIterator[AtollDHT]:
         """Run atoll's DHT on ``host`` (a started py-libp2p host) until the block exits.
 
@@ -445,9 +944,11 @@ class AtollDHT:
         drivers (a private one when None); the DHT notes in it, on ``trio.current_time()``,
         every peer that answered or failed, and does not ask suspected peers. ``run_id``
         None starts a run-agnostic DHT that serves and reads every run's records and
-        publishes none (see the module docstring).
+        publishes none (see the module docstring). ``store_bounds`` bounds what peers may
+        make this node store (:class:`StoreBounds`; its defaults when None).
 
-        Raises ``ConfigError`` for a malformed run id, timeout, skew, address or liveness.
+        Raises ``ConfigError`` for a malformed run id, timeout, skew, address, liveness or
+        store bounds.
         An exception leaving the block comes out as raised, not wrapped in the exception
         groups of the nurseries inside.
         """
@@ -474,12 +975,16 @@ class AtollDHT:
             liveness = Liveness()
         elif not isinstance(liveness, Liveness):
             raise ConfigError(f"AtollDHT liveness must be a Liveness, not {liveness!r:.40}")
+        if store_bounds is None:
+            store_bounds = StoreBounds()
+        elif not isinstance(store_bounds, StoreBounds):
+            raise ConfigError(
+                f"AtollDHT store_bounds must be StoreBounds, not {store_bounds!r:.40}"
+            )
         _configure_logging()
         kad_host = _KadHost(host, liveness, float(rpc_timeout_s))
-        validator = NamespacedValidator(
-            {NAMESPACE: _RecordValidator(verifier, clock, float(max_skew_s))},
-            strict_validation=True,
-        )
+        records = _RecordValidator(verifier, clock, float(max_skew_s))
+        validator = NamespacedValidator({NAMESPACE: records}, strict_validation=True)
         # the handler is registered here, through the proxy: DHT_PROTOCOL
         kad = KadDHT(
             cast(IHost, kad_host),
@@ -488,6 +993,17 @@ class AtollDHT:
             validator_changed=True,  # no pk/ipns fallbacks: /atoll/ keys only
             strict_validation=True,
         )
+        # before any await: no peer's record is kept here unbounded
+        guard = _StoreGuard(
+            store_bounds,
+            own_peer=str(host.get_id()),
+            clock=clock,
+            max_skew_s=float(max_skew_s),
+            recall=records.recall,
+            takes_provider=lambda key, peer: libp2p_internals.takes_provider(kad, key, peer),
+        )
+        libp2p_internals.bound_value_store(kad, guard.admit_value)
+        libp2p_internals.bound_provider_store(kad, guard.admit_provider)
         # an exception of the block comes out of our nursery and the service's, wrapped
         # twice; a lone one is handed back as it was raised
         with unwrap_lone(keep_grouped=(trio.Cancelled,)):
@@ -505,6 +1021,7 @@ class AtollDHT:
                     liveness=liveness,
                     nursery=nursery,
                     kad_host=kad_host,
+                    store_guard=guard,
                 )
                 kad_host.on_dht_stream = dht._admit_soon
                 try:
@@ -554,6 +1071,13 @@ class AtollDHT:
     def value_store(self) -> Any:
         """The library's value store behind this DHT (read by :mod:`atoll.dht.status`)."""
         return libp2p_internals.value_store_of(self._kad)
+
+    def store_usage(self) -> StoreUsage:
+        """What peers of the network hold in this node's DHT stores now, this node's own
+        records aside (bounded by :class:`StoreBounds`)."""
+        if self._store_guard is None:
+            return StoreUsage(0, 0, {}, {})
+        return self._store_guard.usage()
 
     @property
     def run_id(self) -> str | None:
@@ -1267,7 +1791,7 @@ class _KadLogFilter(logging.Filter):
         ):
             return False
         text = record.getMessage()
-        if _LEFT_OUT in text:
+        if _LEFT_OUT in text or libp2p_internals.REFUSED_BY_BOUND in text:
             return False
         if len(text) > _MAX_LOG_CHARS:
             record.msg = text[: _MAX_LOG_CHARS - 3] + "..."

@@ -13,18 +13,29 @@ signature matters), ``ValueStore.store`` too, which :mod:`atoll.dht.status` read
 ``tests/unit/test_libp2p_internals.py`` walks the list against the installed py-libp2p,
 so upgrading the pin starts with that test: a failure names the internal that moved and
 the atoll code that needs it.
+
+The stores' inbound paths. ``KadDHT``'s stream handler keeps what peers send with two
+calls: ``ValueStore.put_record`` (a PUT_VALUE that passed the validator) and
+``ProviderStore.add_provider`` (an ADD_PROVIDER, its provider the sender). Neither store
+bounds what it keeps per peer, and the provider store not in all (the value store keeps
+50,000). :func:`bound_value_store` and :func:`bound_provider_store` put a gate of
+atoll's in front of those two calls on the store objects themselves (the library looks
+its methods up on them at each request), and carry out what the gate says: drop these
+entries, keep or refuse this one.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
-from libp2p.kad_dht.common import PROTOCOL_ID
+from libp2p.kad_dht.common import BUCKET_SIZE, PROTOCOL_ID, format_time_rfc3339
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Record as KadRecord
+from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -32,9 +43,15 @@ from libp2p.peer.peerinfo import PeerInfo
 __all__ = [
     "INTERNALS",
     "LIBRARY_PROTOCOL",
+    "REFUSED_BY_BOUND",
     "Internal",
+    "ProviderGate",
+    "RefusedByBound",
+    "ValueGate",
     "add_local_provider",
     "admit_to_routing_table",
+    "bound_provider_store",
+    "bound_value_store",
     "clear_dial_backoff",
     "find_closest_peers",
     "in_routing_table",
@@ -47,6 +64,7 @@ __all__ = [
     "routing_table_size",
     "send_add_provider",
     "store_at_peer",
+    "takes_provider",
     "value_from_peer",
     "value_store_of",
 ]
@@ -99,6 +117,19 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_VALUES}.put", "method", ("self", "key", "value", "validity"), "keep_local_value"),
     Internal(f"{_VALUES}.local_keys", "instance attribute", None, "keep_local_value"),
     Internal(
+        f"{_VALUES}.put_record",
+        "method",
+        ("self", "key", "record"),
+        "bound_value_store (the inbound PUT_VALUE path)",
+    ),
+    Internal(f"{_VALUES}.remove", "method", ("self", "key"), "bound_value_store"),
+    Internal(
+        "libp2p.kad_dht.common:format_time_rfc3339",
+        "function",
+        None,
+        "bound_value_store (the arrival time of a kept record)",
+    ),
+    Internal(
         f"{_VALUES}.store",
         "instance attribute",
         None,
@@ -116,9 +147,20 @@ INTERNALS: tuple[Internal, ...] = (
         ("self", "peer_id", "key", "return_record", "return_closer_peers"),
         "value_from_peer",
     ),
+    Internal(_PROVIDERS, "class", None, "bound_provider_store"),
     Internal(
-        f"{_PROVIDERS}.add_provider", "method", ("self", "key", "provider"), "add_local_provider"
+        f"{_PROVIDERS}.add_provider",
+        "method",
+        ("self", "key", "provider"),
+        "add_local_provider, bound_provider_store (the inbound ADD_PROVIDER path)",
     ),
+    Internal(
+        f"{_PROVIDERS}.providers",
+        "instance attribute",
+        None,
+        "bound_provider_store, takes_provider (key -> {peer id text -> ProviderRecord})",
+    ),
+    Internal("libp2p.kad_dht.common:BUCKET_SIZE", "int constant", None, "takes_provider"),
     Internal(f"{_PROVIDERS}.get_providers", "method", ("self", "key"), "local_providers"),
     Internal(
         f"{_PROVIDERS}._send_add_provider",
@@ -160,6 +202,24 @@ LIBRARY_PROTOCOL: TProtocol = PROTOCOL_ID
 """The protocol id ``KadDHT`` spells for every Kademlia stream: ``PROTOCOL_ID`` of
 ``libp2p.kad_dht.common`` (``/ipfs/kad/1.0.0``; ``KadDHT(protocol_prefix=...)`` stores the
 prefix and ignores it). atoll's host proxy renames exactly this id on the wire."""
+
+
+REFUSED_BY_BOUND = "refused by atoll's store bound"
+"""Ends the text of every :class:`RefusedByBound`, so that the library's log line about the
+refused PUT_VALUE can be told apart (and left out: atoll logs its own)."""
+
+ValueGate = Callable[[bytes, bytes], tuple[Sequence[bytes], str | None]]
+"""``gate(key, value)`` of a record a peer sent: the keys to drop from the store first,
+and why the record is refused (None: keep it)."""
+
+ProviderGate = Callable[[bytes, PeerInfo], tuple[Sequence[tuple[bytes, str]], PeerInfo | None]]
+"""``gate(key, provider)`` of a provider entry: the ``(key, peer id text)`` entries to drop
+first, and the entry to keep (its addresses maybe clipped), or None to refuse it."""
+
+
+class RefusedByBound(Exception):
+    """A record refused by atoll's store bound: raised out of ``ValueStore.put_record``,
+    so the library's handler resets the PUT_VALUE stream (the sender sees a refusal)."""
 
 
 # -- dialing ----------------------------------------------------------------------------------
@@ -204,6 +264,33 @@ def keep_local_value(kad: KadDHT, key: bytes, value: bytes) -> None:
     kad.value_store.local_keys.discard(key)
 
 
+def bound_value_store(kad: KadDHT, gate: ValueGate) -> None:
+    """Route every value a peer stores here (a PUT_VALUE that passed the validator) through
+    ``gate``: its drops are removed from the store, then the value is kept, or refused by
+    raising :class:`RefusedByBound` (the stream is reset).
+
+    Touches ``ValueStore.put_record`` (replaced on ``KadDHT.value_store``, the library's
+    handler calls it for each value it keeps and nothing else of atoll's does) and
+    ``ValueStore.remove``. A kept value is stored as a fresh ``Record`` of its key, value and
+    arrival time only: the library would keep the sender's ``author`` and ``signature``
+    fields as sent (up to 1 MiB, unchecked when the signature is empty), and atoll's
+    readers open the sealed value, never those. What this node puts itself
+    (:func:`keep_local_value`, ``ValueStore.put``) does not pass the gate.
+    """
+    store = kad.value_store
+    keep = store.put_record
+
+    def put_record(key: bytes, record: KadRecord) -> None:
+        drop, refusal = gate(key, record.value)
+        for gone in drop:
+            store.remove(gone)
+        if refusal is not None:
+            raise RefusedByBound(f"{refusal}: {REFUSED_BY_BOUND}")
+        keep(key, KadRecord(key=key, value=record.value, timeReceived=format_time_rfc3339()))
+
+    setattr(store, "put_record", put_record)  # noqa: B010 (mypy: no assigning to a method)
+
+
 async def store_at_peer(kad: KadDHT, peer: ID, key: bytes, value: bytes) -> bool:
     """Ask ``peer`` to store ``value`` under ``key`` (one PUT_VALUE); whether it did.
 
@@ -237,6 +324,47 @@ def add_local_provider(kad: KadDHT, key: bytes, provider: PeerInfo) -> None:
     their records).
     """
     kad.provider_store.add_provider(key, provider)
+
+
+def bound_provider_store(kad: KadDHT, gate: ProviderGate) -> None:
+    """Route every provider entry through ``gate``: its drops are removed from the store,
+    then the entry it returns is kept (None: nothing is).
+
+    Touches ``ProviderStore.add_provider`` (replaced on ``KadDHT.provider_store``; the
+    library's ADD_PROVIDER handler calls it for the sender, :func:`add_local_provider`
+    for this node) and ``ProviderStore.providers`` (key -> {peer id text -> record}), from
+    which dropped entries are deleted. A refused ADD_PROVIDER is still echoed: the library
+    answers before it knows, and its sender never waits for the answer anyway.
+    """
+    store = kad.provider_store
+    keep = store.add_provider
+
+    def add_provider(key: bytes, provider: PeerInfo) -> None:
+        drop, kept = gate(key, provider)
+        for topic, peer in drop:
+            _drop_provider(store, topic, peer)
+        if kept is not None:
+            keep(key, kept)
+
+    setattr(store, "add_provider", add_provider)  # noqa: B010 (mypy: no assigning to a method)
+
+
+def takes_provider(kad: KadDHT, key: bytes, peer: str) -> bool:
+    """Whether ``ProviderStore.add_provider`` would keep ``peer``'s entry under ``key``: it
+    is there already, or the key has fewer than ``BUCKET_SIZE`` (20) providers (the library
+    ignores any more, the first to announce staying). Reads ``ProviderStore.providers``."""
+    held = kad.provider_store.providers.get(key)
+    return held is None or peer in held or len(held) < BUCKET_SIZE
+
+
+def _drop_provider(store: ProviderStore, key: bytes, peer: str) -> None:
+    """Delete ``peer``'s entry under ``key`` from ``ProviderStore.providers`` (and the key,
+    once it has none); nothing when it is not there."""
+    held = store.providers.get(key)
+    if held is not None and peer in held:
+        del held[peer]
+        if not held:
+            del store.providers[key]
 
 
 def local_providers(kad: KadDHT, key: bytes) -> list[PeerInfo]:

@@ -4,6 +4,7 @@ Run as a script, this file is one DHT node in a process of its own::
 
     python tests/integration/test_dht_kad.py node --run RUN --seed HEX
         [--bootstrap ADDR] [--peer-record] [--ready FRAGMENT:SLOT] [--rpc-timeout-s S]
+        [--store-bounds TOTAL,PER_PEER,FAIR_SHARE]
     python tests/integration/test_dht_kad.py foreign
 
 ``node`` runs atoll's Noise-only host with an :class:`~atoll.dht.kad.AtollDHT` on it,
@@ -52,8 +53,8 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from atoll.dht.kad import DHT_PROTOCOL, AtollDHT, _KadHost
-from atoll.dht.keys import peer_key
+from atoll.dht.kad import DHT_PROTOCOL, AtollDHT, StoreBounds, _KadHost
+from atoll.dht.keys import peer_key, ready_key, ready_topic
 from atoll.dht.records import (
     AttestationRecord,
     PeerRecord,
@@ -114,11 +115,18 @@ def ready_record(peer_id: str, fragment: int, slot: int, now: float) -> ReadyRec
     return ReadyRecord(RUN, fragment, slot, peer_id, 1, "00" * 32, 1.0, now, now, now + 300)
 
 
+FLOOD_FRAGMENT = 1  # the ready records of a flood are for this fragment, slots 0, 1, ...
+FLOOD_TOPIC_FRAGMENT = 2  # the ready topics a provider flood announces
+
+
 # -- the node (this file run as a script) -----------------------------------------------------
 async def _node(args: argparse.Namespace) -> None:
     identity = Identity.from_private_bytes(bytes.fromhex(args.seed))
     clock = ShiftedClock()
     config = HostConfig(dial_timeout_s=5, hello_timeout_s=5)
+    bounds = None
+    if args.store_bounds:
+        bounds = StoreBounds(*(int(x) for x in args.store_bounds.split(",")))
     async with open_host(identity, args.run, config) as atoll_host:
         host = atoll_host.libp2p_host
         async with AtollDHT.start(
@@ -129,6 +137,7 @@ async def _node(args: argparse.Namespace) -> None:
             clock=clock,
             timeout_s=DHT_TIMEOUT_S,
             rpc_timeout_s=args.rpc_timeout_s,
+            store_bounds=bounds,
         ) as dht:
             print(f"LISTENING {atoll_host.addrs[0]}", flush=True)
             started: dict[str, Any] = {}
@@ -159,7 +168,8 @@ async def _command(
     signer: EnvelopeSigner | None = None,
 ) -> Any:
     """One command of the tests; ``AtollDHT`` internals are poked only to play a broken or
-    hostile peer (store_raw, inject) or to look inside (has, protocols)."""
+    hostile peer (store_raw, inject, flood, flood_providers) or to look inside (has,
+    protocols, usage)."""
     op = cmd["op"]
     kad = dht._kad
     if op == "get":
@@ -233,6 +243,30 @@ async def _command(
         return {}
     if op == "has":
         return {"has": kad.value_store.get(cmd["key"].encode()) is not None}
+    if op == "flood":  # store ready records at one peer: this node's own, or fresh signers'
+        return await _flood(kad, ID.from_base58(cmd["peer"]), cmd["slots"], cmd["signers"], signer)
+    if op == "flood_providers":  # announce this node for many ready topics at one peer
+        peer = ID.from_base58(cmd["peer"])
+        for slot in range(cmd["topics"]):
+            topic = ready_topic(RUN, FLOOD_TOPIC_FRAGMENT, slot).encode()
+            with trio.fail_after(DHT_TIMEOUT_S):
+                await kad.provider_store._send_add_provider(peer, topic)
+        return {}
+    if op == "usage":  # what peers hold in this node's stores, by its ledgers and in fact
+        usage = dht.store_usage()
+        own = "/" + dht.peer_id
+        values = [
+            k for k in kad.value_store.store if not k.decode("utf-8", "replace").endswith(own)
+        ]
+        entries = [p for held in kad.provider_store.providers.values() for p in held]
+        return {
+            "values": usage.values,
+            "providers": usage.providers,
+            "by_signer": usage.values_by_signer,
+            "by_provider": usage.providers_by_peer,
+            "store_values": len(values),
+            "store_providers": len([p for p in entries if p != dht.peer_id]),
+        }
     if op == "clock":
         clock.offset = float(cmd["offset"])
         return {}
@@ -242,6 +276,32 @@ async def _command(
         except PeerStoreError:
             return {"protocols": []}
     raise ValueError(f"unknown op {op!r}")
+
+
+async def _flood(
+    kad: KadDHT, peer: ID, slots: int, signers: int, own: EnvelopeSigner | None
+) -> dict[str, Any]:
+    """Store ready records for slots ``0 .. slots - 1`` of :data:`FLOOD_FRAGMENT` at
+    ``peer``, one PUT_VALUE each (the library's one-peer store): this node's own records
+    when ``signers`` is 0, else those of ``signers`` fresh identities, one after another.
+    Returns how many were sent and how many ``peer`` took."""
+    assert own is not None
+    sealers: list[tuple[str, EnvelopeSigner]] = []
+    if signers == 0:
+        sealers.append((str(kad.local_peer_id), own))
+    for _ in range(signers):
+        identity = generate()
+        sealers.append((identity.peer_id, EnvelopeSigner(identity)))
+    sent = stored = 0
+    for peer_id, signer in sealers:
+        for slot in range(slots):
+            record = ready_record(peer_id, FLOOD_FRAGMENT, slot, time.time())
+            value = encode_value(record, signer)
+            with trio.fail_after(DHT_TIMEOUT_S):
+                ok = await kad.value_store._store_at_peer(peer, record.key().encode(), value)
+            sent += 1
+            stored += bool(ok)
+    return {"sent": sent, "stored": stored}
 
 
 async def _serve_commands(run: Any) -> None:
@@ -326,6 +386,7 @@ def main() -> None:
     parser.add_argument("--peer-record", action="store_true")
     parser.add_argument("--ready", help="FRAGMENT:SLOT to announce")
     parser.add_argument("--rpc-timeout-s", type=float, help="the DHT's bound of one request")
+    parser.add_argument("--store-bounds", help="TOTAL,PER_PEER,FAIR_SHARE of the DHT's stores")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.mode == "node":
@@ -701,6 +762,123 @@ def test_start_refuses_a_bad_request_bound_or_liveness(kwargs: dict[str, Any]) -
 
     with pytest.raises(ConfigError):
         trio.run(body)
+
+
+# -- a flood of records -------------------------------------------------------------------------
+FLOOD_BOUNDS = StoreBounds(total=24, per_peer=8, fair_share=4)  # the flooded node's, small
+
+
+@pytest.mark.timeout(300)
+def test_a_flood_of_records_cannot_push_a_nodes_store_past_its_bounds(
+    tmp_path: Path, wait_until: Any
+) -> None:
+    """Node N (small store bounds), an honest peer H that stored its records at N, and a
+    flooder F that stores many more than the bounds at N: its own records, then those of
+    20 fresh identities, then provider entries for many topics. N's stores stay within
+    their bounds, F's entries are evicted first, N's and H's records are still found, N
+    keeps answering, and N's log names F."""
+    bounds = f"{FLOOD_BOUNDS.total},{FLOOD_BOUNDS.per_peer},{FLOOD_BOUNDS.fair_share}"
+    nodes: list[Node] = []
+    try:
+        n = await_start(
+            spawn(tmp_path / "n.log", "node", "--store-bounds", bounds, identity=generate())
+        )
+        nodes.append(n)
+        h = spawn(
+            tmp_path / "h.log",
+            "node",
+            "--bootstrap",
+            n.addr,
+            "--peer-record",
+            "--ready",
+            "3:7",
+            identity=generate(),
+        )
+        nodes.append(h)
+        f = spawn(tmp_path / "f.log", "node", "--bootstrap", n.addr, identity=generate())
+        nodes.append(f)
+        await_start(h)
+        await_start(f)
+        put = n.call(
+            "put", record=encode_message(peer_record(n.peer_id, (n.addr,), time.time())).hex()
+        )
+        assert "error" not in put, put
+        assert "error" not in n.call("announce_ready", fragment=3, slot=7)
+        h_keys = [peer_key(RUN, h.peer_id), ready_key(RUN, 3, 7, h.peer_id)]
+        before = n.call("usage")
+        assert before["by_signer"] == {h.peer_id: 2}, before
+
+        # F's own records: N keeps its newest per_peer, each arrival evicting F's oldest
+        own = f.call("flood", peer=n.peer_id, slots=30, signers=0)
+        assert own["sent"] == 30, own
+        usage = n.call("usage")
+        assert usage["by_signer"] == {h.peer_id: 2, f.peer_id: FLOOD_BOUNDS.per_peer}, usage
+        kept = [ready_key(RUN, FLOOD_FRAGMENT, slot, f.peer_id) for slot in range(22, 30)]
+        assert all(n.call("has", key=key)["has"] for key in kept)
+        assert not n.call("has", key=ready_key(RUN, FLOOD_FRAGMENT, 0, f.peer_id))["has"]
+
+        # 20 fresh identities, 3 records each: they fill the room, evict F down to its fair
+        # share, then are refused; H's two records stay
+        sybil = f.call("flood", peer=n.peer_id, slots=3, signers=20)
+        assert sybil["sent"] == 60 and 0 < sybil["stored"] < 60, sybil
+        usage = n.call("usage")
+        assert usage["values"] == usage["store_values"] == FLOOD_BOUNDS.total, usage
+        by_signer = usage["by_signer"]
+        assert by_signer[h.peer_id] == 2 and by_signer[f.peer_id] == FLOOD_BOUNDS.fair_share
+        fresh = [count for peer, count in by_signer.items() if peer not in (h.peer_id, f.peer_id)]
+        assert sum(fresh) == FLOOD_BOUNDS.total - 2 - FLOOD_BOUNDS.fair_share, by_signer
+        assert all(count <= 3 for count in fresh) and sybil["stored"] == sum(fresh), by_signer
+        assert all(n.call("has", key=key)["has"] for key in h_keys)
+
+        # provider entries: F announces itself for 10 topics; N keeps its newest per_peer
+        assert "error" not in f.call("flood_providers", peer=n.peer_id, topics=10)
+
+        def providers_bounded() -> bool:
+            held = n.call("usage")
+            return (
+                f"dropped 1 provider entry of peer {f.peer_id}" in n.log()
+                and held["by_provider"].get(f.peer_id) == FLOOD_BOUNDS.per_peer
+            )
+
+        wait_until(providers_bounded, 60, lambda: f"N dropping F's provider entries:\n{n.log()}")
+        usage = n.call("usage")
+        assert usage["providers"] == usage["store_providers"] <= FLOOD_BOUNDS.total, usage
+        assert usage["by_provider"].get(h.peer_id) == 1, usage  # H's ready announcement
+
+        # N keeps answering, and its own and H's records are found
+        for key, owner in ((peer_key(RUN, n.peer_id), n), (h_keys[0], h)):
+            got = f.call("get", key=key)
+            assert got.get("record") and record_of(got["record"]).peer_id == owner.peer_id, got
+        found = f.call("find_ready", fragment=3, slot=7)
+        assert [record_of(r).peer_id for r in found.get("records", [])] == sorted(
+            [n.peer_id, h.peer_id]
+        ), found
+
+        # N's log names the flooder, once a minute at most per peer and kind
+        wait_until(
+            lambda: (
+                f"dropped 1 value of peer {f.peer_id}" in n.log()
+                and "DHT store: refused 1 value of peer" in n.log()
+                and f"(sent by {f.peer_id})" in n.log()
+            ),
+            30,
+            lambda: f"N's log lines on the flood:\n{n.log()}",
+        )
+        # F lost 26 values to evictions: one line, and one more per minute the floods took
+        lines = [
+            line
+            for line in n.log().splitlines()
+            if "DHT store: dropped" in line and f"of peer {f.peer_id}:" in line and "value" in line
+        ]
+        assert 1 <= len(lines) <= 1 + (own["s"] + sybil["s"]) / 60, lines
+        print(
+            f"\nflood: N kept {usage['values']} values ({by_signer[f.peer_id]} of F's 30,"
+            f" {sybil['stored']} of 60 fresh signers'), {usage['providers']} provider entries;"
+            f" F's puts {own['s']:.3f} s and {sybil['s']:.3f} s"
+        )
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 # -- a silent peer: SIGSTOP ---------------------------------------------------------------------
