@@ -5,8 +5,9 @@ Runs a bootstrap peer and N ``atoll node`` processes on 127.0.0.1 (default 8, 2 
 hostile through attack injection, ``ATOLL_ATTACK``; :mod:`atoll.node.net.attacks`) on the
 ``micro`` preset for a few syncs, once per (attack, mode):
 
-- ``robust``: the manifest's ``[robust]`` table with ``rule = "trimmed_mean"`` and
-  ``checks = true`` (the protections);
+- ``robust``: the manifest's ``[robust]`` table with ``rule = "trimmed_mean"``,
+  ``checks = true`` (which also seals every part, so a refused part is proven to every
+  member) and ``verify_owners = true`` (the protections);
 - ``mean``: the plain token-weighted mean, no checks (the protections off);
 
 plus an honest-only run of the same budget (every node honest) in each mode.
@@ -24,9 +25,11 @@ version (a version of 10^6 in its history); whether the honest nodes end on one 
 
 Targets, pass/fail per run with protections: eval loss within 2% of
 honest-only; every attacker of a detectable attack (nan, huge, scaled, weight,
-equivocate, forge) banned by every honest node within 3 of its rounds; no honest node
-following a forged version. With no attacker: the protections cost at most 5% of round
-time and 0.5% of eval loss against the plain mean.
+equivocate, forge, owner) banned by every honest node within 3 of its rounds; no honest
+node following a forged version; no honest node applying a round in which a hostile
+owner took part (each member owns a chunk, so such a round committed its chunk). With
+no attacker: the protections cost at most 5% of round time and 0.5% of eval loss against
+the plain mean.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from typing import Any
 
 from atoll.node.net.attacks import FORGED_VERSION
 
-DETECTABLE = ("nan", "huge", "scaled", "weight", "equivocate", "forge")
+DETECTABLE = ("nan", "huge", "scaled", "weight", "equivocate", "forge", "owner")
 """attacks a check or a certificate proves (the rest stay inside the spread)"""
 
 ALL_ATTACKS = [
@@ -61,6 +64,7 @@ ALL_ATTACKS = [
     "stale",
     "forge",
     "equivocate",
+    "owner",
 ]
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
@@ -95,7 +99,7 @@ round_s = 25.0
 apply_wait_s = 3.0
 """
     if mode == "robust":
-        text += '\n[robust]\nrule = "trimmed_mean"\nchecks = true\n'
+        text += '\n[robust]\nrule = "trimmed_mean"\nchecks = true\nverify_owners = true\n'
     return text
 
 
@@ -224,6 +228,20 @@ def _rounds_of(log: Path) -> list[float]:
     return times
 
 
+_MEMBERS = re.compile(r"fragment \d+ slot -?\d+: applied; .*; members: (.*)$")
+
+
+def _applied_with(log: Path, peers: set[str]) -> int:
+    """How many rounds the node applied with one of ``peers`` (last 6 characters of
+    their ids) among the group's members."""
+    n = 0
+    for line in log.read_text(errors="replace").splitlines():
+        m = _MEMBERS.search(line)
+        if m is not None and peers & {p.strip() for p in m.group(1).split(",")}:
+            n += 1
+    return n
+
+
 def _bans_in(log: Path) -> list[tuple[float, str, str]]:
     out = []
     for line in log.read_text(errors="replace").splitlines():
@@ -273,6 +291,10 @@ def analyse(nodes: list[dict[str, Any]], attack: str) -> dict[str, Any]:
             if p not in {x["peer"] for x in per_attacker}
         }
     )
+    hostile_ids = {x["peer"][-6:] for x in per_attacker if x["peer"]}
+    applied_with_attackers = sum(
+        _applied_with(n["log"], hostile_ids) for n in honest if n["log"].exists()
+    )
     crashed = sum(
         "loss became nan" in n["log"].read_text(errors="replace")
         for n in honest
@@ -290,6 +312,7 @@ def analyse(nodes: list[dict[str, Any]], attack: str) -> dict[str, Any]:
         "attackers": per_attacker,
         "honest_banned": wrongly_banned,
         "followed_forged": followed_forged,
+        "applied_with_attackers": applied_with_attackers,
         "one_copy": len({s.get("global_digest") for s in done}) == 1 and len(done) == len(honest),
     }
 
@@ -307,6 +330,8 @@ def targets(r: dict[str, Any], honest: dict[str, Any] | None) -> dict[str, Any]:
             for a in r["attackers"]
         )
     out["no_forged_state_followed"] = not r["followed_forged"]
+    if name == "owner":  # every member owns a chunk: a round it was in took its chunk
+        out["no_hostile_chunk_committed"] = r["applied_with_attackers"] == 0
     out["no_honest_peer_banned"] = not r["honest_banned"]
     return out
 

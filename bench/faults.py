@@ -49,9 +49,10 @@ every node in one round again within 2 rounds (of each fragment) after each heal
 outside partitions; one copy at the end; no hang.
 
 The schedule lasts about 8 minutes (``--warmup-s 60 --fault-s 50 --recover-s 60``; the cut
-1.5 round timeouts, 60 s): a recovery phase holds about three rounds of each fragment. The nodes train ``--steps`` steps, by default enough for the
-schedule and 30 s more at ``--step-rate`` steps per second (1.6: 4 nodes with their
-network processes on 2 idle cores); a phase the run did not reach is marked ``cut_short``.
+1.5 round timeouts, 60 s): a recovery phase holds about three rounds of each fragment.
+The nodes train ``--steps`` steps, by default enough for the schedule and 30 s more at
+``--step-rate`` steps per second (1.6: 4 nodes with their network processes on 2 idle
+cores); a phase the run did not reach is marked ``cut_short``.
 After the last step every node settles (up to twice matchmaking plus round timeout), so a
 run takes the schedule, that and the start: about 11 minutes.
 """

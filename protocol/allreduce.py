@@ -96,10 +96,12 @@ from typing import Literal, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from atoll.protocol.certificate import AttestationSigner, AttestationVerifier
 from atoll.protocol.checks import PartChecks, violations
 from atoll.protocol.codecs import Codec, make_codec
 from atoll.protocol.errors import CodecError, ConfigError, RejectedInput
 from atoll.protocol.messages import wire_message
+from atoll.protocol.partseal import MAX_PART_SEAL, Proof, judge, seal_part, seal_problem
 from atoll.protocol.reduce import Contribution, chunk_bounds, reduce_encoded
 from atoll.protocol.robust import RobustRule
 
@@ -174,6 +176,9 @@ class RoundSpec:
     robust: RobustRule = field(default_factory=RobustRule)
     checks: PartChecks | None = None
     verify_owners: bool = False
+    sealed: bool = False
+    """every part carries its sender's seal, and a refused part's proof travels with the
+    round's abort, so every member can strike its sender (:mod:`~atoll.protocol.partseal`)"""
 
     def __post_init__(self) -> None:
         if not isinstance(self.members, tuple) or not self.members:
@@ -191,6 +196,8 @@ class RoundSpec:
             raise ConfigError(f"checks must be PartChecks or None, not {self.checks!r}")
         if not isinstance(self.verify_owners, bool):
             raise ConfigError(f"verify_owners must be a bool, not {self.verify_owners!r}")
+        if not isinstance(self.sealed, bool):
+            raise ConfigError(f"sealed must be a bool, not {self.sealed!r}")
 
     def make_codec(self) -> Codec:
         """The round's codec (:func:`codecs.make_codec` of ``codec`` and ``codec_block``)."""
@@ -244,6 +251,9 @@ class Part:
     """with :attr:`RoundSpec.verify_owners`: the sender's commitments, the sha256 of each of
     its parts in chunk order (the same tuple in every part it sends); else empty, and left
     off the wire"""
+    seal: bytes = field(default=b"", metadata={"max_len": MAX_PART_SEAL})
+    """with :attr:`RoundSpec.sealed`: the sender's seal over this part
+    (:func:`~atoll.protocol.partseal.seal_part`); else empty, and left off the wire"""
 
 
 @wire_message(11)
@@ -271,13 +281,26 @@ class Reduced:
 @wire_message(12)
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """The round failed at ``sender``; the receiver must roll back too."""
+    """The round failed at ``sender``; the receiver must roll back too.
+
+    With :attr:`RoundSpec.sealed`, an owner that refused a part for what it holds adds the
+    proof: the sealed parts of chunk ``chunk`` in member order (an absent part: weight 0
+    and empty payload and seal), which every member judges for itself
+    (:func:`~atoll.protocol.partseal.judge`). Otherwise ``chunk`` is -1 and the rest
+    empty, left off the wire.
+    """
 
     run_id: str
     fragment: int
     round: int
     sender: str
     reason: str
+    chunk: int = -1
+    weights: tuple[float, ...] = field(default=(), metadata={"max_len": MAX_GROUP})
+    payloads: tuple[bytes, ...] = field(default=(), metadata={"max_len": MAX_GROUP})
+    seals: tuple[bytes, ...] = field(
+        default=(), metadata={"max_len": MAX_GROUP, "item_max_len": MAX_PART_SEAL}
+    )
 
 
 @wire_message(13)
@@ -391,6 +414,8 @@ class _Slot:
     parts: list[Contribution | None]
     decoded: list[F32Array | None]
     done: bool = False
+    seals: list[bytes] = field(default_factory=list)
+    """with :attr:`RoundSpec.sealed`: each part's seal, in member order (b"" until in)"""
 
     def missing(self, members: tuple[str, ...]) -> list[str]:
         return [members[i] for i, p in enumerate(self.parts) if p is None]
@@ -447,6 +472,9 @@ class AllReduceRound:
             hostile owner, sending ``tamper_reduced(encoded_chunk)`` instead of its chunk.
         tamper_verified: for tests and the attack benchmark only: makes this member a
             hostile verifier, announcing the digest of ``tamper_verified(encoded_chunk)``.
+        signer: seals this member's parts (required with :attr:`RoundSpec.sealed`).
+        opener: opens the seals of other members' parts and proofs (required with
+            :attr:`RoundSpec.sealed`).
 
     Raises:
         ConfigError: inconsistent arguments (``me`` not a member, a payload of the wrong
@@ -468,6 +496,8 @@ class AllReduceRound:
         weight_caps: Mapping[str, float] | None = None,
         tamper_reduced: Callable[[bytes], bytes] | None = None,
         tamper_verified: Callable[[bytes], bytes] | None = None,
+        signer: AttestationSigner | None = None,
+        opener: AttestationVerifier | None = None,
     ) -> None:
         if me not in spec.members:
             raise ConfigError(f"{me!r} is not a member of the round's group")
@@ -483,8 +513,12 @@ class AllReduceRound:
                 f"round_timeout ({round_timeout!r}) must be finite and >= phase_timeout "
                 f"({phase_timeout!r})"
             )
+        if spec.sealed and (signer is None or opener is None):
+            raise ConfigError("a round with sealed parts needs a signer and an opener")
         self.spec = spec
         self.me = me
+        self._signer = signer
+        self._opener = opener
         self._codec = spec.make_codec()
         size = self._codec.encoded_size(spec.numel)
         if len(payload) != size:
@@ -548,10 +582,21 @@ class AllReduceRound:
         m = len(self.spec.members)
         a, b = self._bounds[j]
         own = self._piece(j)
-        slot = _Slot(j, [None] * m, [None] * m)
+        slot = _Slot(j, [None] * m, [None] * m, seals=[b""] * m)
         slot.decoded[self._mine] = self._codec.decode(own, b - a)
         slot.parts[self._mine] = Contribution(own, self._weight)
+        slot.seals[self._mine] = self._seal(j, own)
         return slot
+
+    def _seal(self, j: int, piece: bytes) -> bytes:
+        """This member's seal over its part ``piece`` of chunk ``j`` (b"" when unsealed)."""
+        if not self.spec.sealed:
+            return b""
+        assert self._signer is not None
+        k = self.spec.key
+        return seal_part(
+            self._signer, k.run_id, k.fragment, k.round, self.me, j, self._weight, piece
+        )
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -609,6 +654,7 @@ class AllReduceRound:
                 to.append(members[self._verifier[j]])
             if not to:
                 continue
+            piece = self._piece(j)
             part = Part(
                 key.run_id,
                 key.fragment,
@@ -616,8 +662,9 @@ class AllReduceRound:
                 self.me,
                 j,
                 self._weight,
-                self._piece(j),
+                piece,
                 self._my_digests,
+                self._seal(j, piece),
             )
             out.extend(self._send(peer, part) for peer in to)
         # Our own chunk may already be complete if every other part arrived before start.
@@ -723,8 +770,28 @@ class AllReduceRound:
         )
 
     def _on_abort(self, msg: Abort) -> list[Action]:
-        reason = _clip(str(msg.reason))
-        return self._fail(f"aborted by {msg.sender}: {reason}", skip=msg.sender)
+        reason = f"aborted by {msg.sender}: {_clip(str(msg.reason))}"
+        if not (self.spec.sealed and msg.payloads):
+            return self._fail(reason, skip=msg.sender)
+        assert self._opener is not None
+        self._bytes_received += sum(len(p) for p in msg.payloads if isinstance(p, bytes))
+        k = self.spec.key
+        convicted, why = judge(
+            Proof(msg.chunk, msg.weights, msg.payloads, msg.seals),
+            opener=self._opener,
+            run_id=k.run_id,
+            fragment=k.fragment,
+            round_=k.round,
+            members=self.spec.members,
+            bounds=self._bounds,
+            codec=self._codec,
+            checks=self.spec.checks,
+            caps=self._caps,
+            me=self.me,
+        )
+        if convicted is not None:
+            reason = f"{reason}; proven against {convicted}: {_clip(why)}"
+        return self._fail(reason, culprit=convicted, skip=msg.sender)
 
     def _on_part(self, msg: Part) -> list[Action]:
         sender = msg.sender
@@ -744,21 +811,40 @@ class AllReduceRound:
             return self._reject(
                 sender, f"{sender} sent a part for chunk {msg.chunk} to the owner of {self._mine}"
             )
+        if self.spec.sealed:
+            assert self._opener is not None
+            k = self.spec.key
+            unsealed = seal_problem(
+                self._opener,
+                msg.seal,
+                k.run_id,
+                k.fragment,
+                k.round,
+                sender,
+                msg.chunk,
+                msg.weight,
+                msg.payload,
+            )
+            if unsealed is not None:
+                return self._reject(sender, _clip(unsealed))
+        alone = self._proof_of(slot.chunk, {i: (msg.weight, bytes(msg.payload), msg.seal)})
         if not _finite_positive(msg.weight):
-            return self._reject(sender, f"{sender} claimed weight {msg.weight!r}")
+            return self._reject(sender, f"{sender} claimed weight {msg.weight!r}", alone)
         if self._verify:
             bad = self._commitment_error(msg, i)
-            if bad is not None:
-                return self._reject(sender, bad)
+            if bad is not None:  # the sealed part convicts when it is bad by itself
+                return self._reject(sender, bad, alone)
         a, b = self._bounds[slot.chunk]
         try:
             values = self._codec.decode(msg.payload, b - a)
             if self._validator is not None:
                 self._validator(msg, values)
         except RejectedInput as e:
-            return self._reject(sender, f"part of {sender} rejected: {_clip(str(e))}")
+            return self._reject(sender, f"part of {sender} rejected: {_clip(str(e))}", alone)
         slot.parts[i] = Contribution(bytes(msg.payload), float(msg.weight))
         slot.decoded[i] = values
+        if slot.seals:
+            slot.seals[i] = msg.seal
         out = self._maybe_reduce() if slot is self._slot else self._maybe_verify()
         if self._state == "running" and self._disputed:
             out.extend(self._maybe_judge())  # the commitments a judgement waits for
@@ -966,7 +1052,12 @@ class AllReduceRound:
         others = [v.peer for v in found if v.peer != self.me]
         culprit = others[0] if others else None
         reason = f"parts for chunk {slot.chunk} rejected: {_clip(reason)}"
-        return self._fail(reason, culprit=culprit)
+        every = {
+            i: (p.weight, p.payload, slot.seals[i] if slot.seals else b"")
+            for i, p in enumerate(parts)
+        }
+        proof = self._proof_of(slot.chunk, every) if culprit is not None else None
+        return self._fail(reason, culprit=culprit, proof=proof)
 
     def _accept_chunk(
         self,
@@ -1167,7 +1258,7 @@ class AllReduceRound:
     def _send(self, to: str, msg: Message) -> Send:
         if isinstance(msg, Part | Reduced):
             self._bytes_sent += len(msg.payload)
-        elif isinstance(msg, Evidence):
+        elif isinstance(msg, Evidence | Abort):
             self._bytes_sent += sum(len(p) for p in msg.payloads)
         return Send(to, msg)
 
@@ -1181,8 +1272,21 @@ class AllReduceRound:
         self._release()
         return [Done(averaged)]
 
-    def _reject(self, culprit: str, reason: str) -> list[Action]:
-        return self._fail(reason, culprit=culprit)
+    def _reject(self, culprit: str, reason: str, proof: Proof | None = None) -> list[Action]:
+        return self._fail(reason, culprit=culprit, proof=proof)
+
+    def _proof_of(self, j: int, parts: Mapping[int, tuple[float, bytes, bytes]]) -> Proof | None:
+        """The proof an abort carries in a sealed round: ``parts`` (member index ->
+        weight, payload, seal) of chunk ``j``, in member order; None when unsealed."""
+        if not self.spec.sealed:
+            return None
+        m = range(len(self.spec.members))
+        return Proof(
+            j,
+            tuple(float(parts[i][0]) if i in parts else 0.0 for i in m),
+            tuple(parts[i][1] if i in parts else b"" for i in m),
+            tuple(parts[i][2] if i in parts else b"" for i in m),
+        )
 
     def _fail(
         self,
@@ -1193,17 +1297,28 @@ class AllReduceRound:
         missing: tuple[str, ...] = (),
         abort: bool = True,
         suspects: tuple[str, ...] = (),
+        proof: Proof | None = None,
     ) -> list[Action]:
-        """Roll back: tell every other member (but ``skip``) to abort, then fail."""
+        """Roll back: tell every other member (but ``skip``) to abort, with ``proof``
+        when there is one, then fail."""
         self._state = "failed"
         key = self.spec.key
         out: list[Action] = []
         if abort:
-            out = [
-                Send(m, Abort(key.run_id, key.fragment, key.round, self.me, reason))
-                for m in self.spec.members
-                if m != self.me and m != skip
-            ]
+            msg = Abort(key.run_id, key.fragment, key.round, self.me, reason)
+            if proof is not None:
+                msg = Abort(
+                    key.run_id,
+                    key.fragment,
+                    key.round,
+                    self.me,
+                    reason,
+                    proof.chunk,
+                    proof.weights,
+                    proof.payloads,
+                    proof.seals,
+                )
+            out = [self._send(m, msg) for m in self.spec.members if m != self.me and m != skip]
         out.append(Failed(reason, culprit, missing, suspects))
         self._release()
         return out

@@ -34,13 +34,20 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    one that rebased at its previous sync: the swarm's next round of the fragment starts
    as its own sync starts, and ending the sync at the rebase would make it miss that
    round, and every later one the same way (a peer that rebases at every sync and never
-   averages again). A copy further ahead ends the sync (its Δ is too stale to offer).
+   averages again). A peer further behind (up to :data:`MAX_STALENESS` versions: one
+   that was cut off or on the losing side of a split for a few rounds) is met the same
+   way when its sync starts with the swarm's: it joins the swarm's round at once with
+   its Δ, whose token weight is divided by the number of versions it missed (a
+   staleness discount, as Decoupled DiLoCo discounts late updates); a copy further
+   ahead ends the sync (its Δ is too stale to offer).
 3. :meth:`FragmentSync.matched` with the matchmaking outcome: :class:`RunRound` for a
    formed group, or a roll back when alone. While matching, the driver asks
    :meth:`FragmentSync.outdated` whether the state this sync declared lost to another
    one (after a split heals, the losing side learns it while it waits at its slot); it
-   then withdraws from the slot, and when the winner has the same version this sync
-   copies it and offers its Δ at the winner's group of the same slot, once, as in step 2.
+   then withdraws from the slot, and when the winner is at most :data:`MAX_STALENESS`
+   versions ahead this sync copies it and offers its Δ at the winner's slot, once, as in
+   step 2 (the swarm's group there is most often forming as this peer learns of it: had
+   it already run, the swarm would lead with a newer copy).
 4. :meth:`FragmentSync.reduced` with the all-reduce outcome: Done is delivered (commit),
    Failed rolled back; a delivery the engine refuses is a roll back too.
 5. After the round, the holdings seen meanwhile decide whether to rebase
@@ -88,6 +95,7 @@ from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.robust import RobustRule
 
 __all__ = [
+    "MAX_STALENESS",
     "Action",
     "FetchState",
     "FindGroup",
@@ -107,6 +115,10 @@ Holding: TypeAlias = tuple[str, int, str]
 """``(peer, version, digest)`` of one fragment, as a peer's record or declaration shows it."""
 
 Phase: TypeAlias = Literal["idle", "declared", "rebasing", "matching", "reducing", "done"]
+
+MAX_STALENESS = 4
+"""Most versions a peer may have missed and still offer its Δ at the swarm's copy when it
+rebases before its round (see the module docstring)."""
 
 RoundStatus: TypeAlias = Literal["none", "applied", "failed", "alone", "cancelled"]
 """How the sync's round ended: ``none`` when there was no round (the peer rebased before
@@ -193,6 +205,7 @@ class FragmentSync:
         checks: PartChecks | None = None,
         tamper: Tamper | None = None,
         verify_owners: bool = False,
+        sealed: bool = False,
     ) -> None:
         if not 0 <= fragment < engine.num_fragments:
             raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
@@ -205,6 +218,7 @@ class FragmentSync:
         self._robust = robust if robust is not None else RobustRule()
         self._checks = checks
         self._verify_owners = verify_owners
+        self._sealed = sealed
         self._tamper = tamper
         self._attestation: Attestation | None = None
         self._phase: Phase = "idle"
@@ -223,6 +237,7 @@ class FragmentSync:
         self._local: np.ndarray | None = None  # the trainer's copy, to take Δ again
         self._rebased: tuple[int, int] | None = None  # (version, server step) of a rebase
         self._withdrawn = ""  # why matchmaking left the slot for a winning copy, if it did
+        self._discount = 1.0  # of Δ's token weight, offered versions after it was taken
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -238,6 +253,11 @@ class FragmentSync:
     def digest(self) -> str:
         """The digest of the global copy Δ was taken against (set by :meth:`plan`)."""
         return self._digest
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The group's members once matched (empty before, and when alone)."""
+        return self._members
 
     @property
     def round_reason(self) -> str:
@@ -299,7 +319,7 @@ class FragmentSync:
         assert request is not None
         if isinstance(found, mm.Alone):
             if found.withdrawn and self._rebased is None and not self._withdrawn:
-                rebase = self._rebase_plan(holdings, same_version=request.round)
+                rebase = self._rebase_plan(holdings, at_most=request.round + MAX_STALENESS)
                 if rebase is not None:  # no round ran: Δ is offered again at the winner
                     log.info("fragment %d: %s", self.fragment, found.reason)
                     self._withdrawn = f"alone: {found.reason}"
@@ -319,10 +339,12 @@ class FragmentSync:
             robust=self._robust,
             checks=self._checks,
             verify_owners=self._verify_owners,
+            sealed=self._sealed,
         )
+        weight = request.weight * self._discount
         if self._tamper is not None:
-            return RunRound(spec, *self._tamper(spec, request.payload, request.weight))
-        return RunRound(spec, request.payload, request.weight)
+            return RunRound(spec, *self._tamper(spec, request.payload, weight))
+        return RunRound(spec, request.payload, weight)
 
     def reduced(self, result: ar.Done | ar.Failed, holdings: Iterable[Holding] = ()) -> Action:
         """The all-reduce outcome: deliver Done (commit) or roll back Failed.
@@ -390,12 +412,14 @@ class FragmentSync:
             not self._after_round
             and self._local is not None
             and request is not None
-            and version in (request.round, request.round + 1)
+            and request.round <= version <= request.round + MAX_STALENESS
         ):
-            # before the round, on a losing copy of the same version or one version
+            # before the round, on a losing copy of the same version or a few versions
             # behind: offer the same Δ at the new copy (see the module docstring):
             # local + (new − old) is as far from the new copy as the local copy was from
             # the old one
+            missed = version - request.round
+            self._discount = 1.0 if missed <= 1 else 1.0 / missed
             assert old is not None
             shifted = self._local + (self.engine.global_params(self.fragment) - old)
             self._target = None
@@ -486,11 +510,11 @@ class FragmentSync:
         )
 
     def _rebase_plan(
-        self, holdings: Iterable[Holding], *, same_version: int | None = None
+        self, holdings: Iterable[Holding], *, at_most: int | None = None
     ) -> FetchState | None:
         """A FetchState from the first holder of the leading state when this peer does not
         hold it (:func:`~atoll.protocol.statesync.should_rebase`), else None; with
-        ``same_version``, only a leading state at that version."""
+        ``at_most``, only a leading state of at most that version."""
         others = [h for h in holdings if h[0] != self.peer_id]
         if not others:  # nobody to follow (and no hash of the state needed to know it)
             return None
@@ -500,7 +524,7 @@ class FragmentSync:
             return None
         target = ss.leading_state([*others, (self.peer_id, *mine)], believes=believes)
         assert target is not None
-        if same_version is not None and target[0] != same_version:
+        if at_most is not None and target[0] > at_most:
             return None
         holders = list(dict.fromkeys(peer for peer, v, d in others if (v, d) == target))
         if not holders:

@@ -28,33 +28,38 @@ checks this node's payload when the round starts, so a NaN payload handed to it 
 leaves):
 
 - ``nan``: every part's first value (or block scale) is NaN, so the owner's decoder
-  refuses it as non-finite;
+  refuses it as non-finite; in a round with sealed parts the node seals the NaN part
+  with its own key, as a real attacker would (a part whose seal does not match is refused
+  too, but proves nothing to the other members);
 
 - ``forge``: the node's peer record claims version 10^6, with a made-up digest, for
   every fragment (:func:`forged_versions`; the swarm worker's record builder applies it);
 - ``equivocate``: each part goes to its owner twice, the second copy with one byte
-  changed; the owner rejects the pair and names the sender.
+  changed (and sealed again in a sealed round); the owner rejects the pair and names the
+  sender.
 
-Elsewhere:
+As a chunk's owner (``AllReduceRound(tamper_reduced=...)``, passed on by
+:func:`~atoll.node.net.rounds.run_allreduce`):
 
-
-A hostile chunk owner (returning a wrong reduced chunk) is not among them: the round's
-machine has a hook for it (``AllReduceRound(tamper_reduced=...)``), but the round driver
-(:func:`~atoll.node.net.rounds.run_allreduce`) does not pass one on, so a node cannot be
-made a hostile owner from its settings yet.
+- ``owner``: the reduced chunk the node sends every member is the true one negated and
+  scaled by 4 (:func:`owner_tamper`): a well-formed chunk of the right size, which only
+  a check of the owner's work (``[robust] verify_owners``) catches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
 from atoll.node.net.seam import RoundTransport
 from atoll.protocol import allreduce as ar
+from atoll.protocol.certificate import AttestationSigner
 from atoll.protocol.codecs import Codec
 from atoll.protocol.errors import ConfigError
+from atoll.protocol.partseal import seal_part
 from atoll.protocol.sync import Tamper
 
 __all__ = [
@@ -70,6 +75,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ATTACKS = (
+    "owner",
     "nan",
     "huge",
     "signflip",
@@ -99,10 +105,14 @@ class Attack:
 
     @property
     def tamper(self) -> Tamper | None:
-        """The round tamper of this attack (None for ``forge`` and ``equivocate``)."""
-        if self.name in ("forge", "equivocate", "nan"):
+        """The round tamper of this attack (None for those that act elsewhere)."""
+        if self.name in ("forge", "equivocate", "nan", "owner"):
             return None
         return _tamper(self)
+
+    def tamper_reduced(self, codec: Codec) -> Callable[[bytes], bytes] | None:
+        """What a hostile owner sends instead of its reduced chunk (``owner`` only)."""
+        return owner_tamper(codec) if self.name == "owner" else None
 
     @property
     def forges(self) -> bool:
@@ -149,6 +159,33 @@ def nan_payload(codec: Codec, numel: int) -> bytes:
         return np.full(nb, np.nan, "<f4").tobytes() + bytes(numel)
     # e3m0 and e3m0-sr: bfloat16 NaN scales, zero codes
     return np.full(nb, 0x7FC0, "<u2").tobytes() + b"\x77" * ((numel + 1) // 2)
+
+
+def owner_tamper(codec: Codec) -> Callable[[bytes], bytes]:
+    """A hostile owner's change to its encoded reduced chunk: decoded, negated, scaled by
+    4 and encoded again, the same size (the chunk's length is read off the payload's)."""
+
+    def tamper(payload: bytes) -> bytes:
+        n = _numel_of(codec, len(payload))
+        x = codec.decode(payload, n)
+        logger.info("attack owner: a reduced chunk of %d values negated and scaled", n)
+        return codec.encode((x * np.float32(-4.0)).astype(np.float32))
+
+    return tamper
+
+
+def _numel_of(codec: Codec, size: int) -> int:
+    """The smallest value count whose encoding in ``codec`` takes ``size`` bytes."""
+    lo, hi = 0, max(1, size * 2)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if codec.encoded_size(mid) < size:
+            lo = mid + 1
+        else:
+            hi = mid
+    if codec.encoded_size(lo) != size:
+        raise ConfigError(f"{codec.name}: no value count encodes to {size} bytes")
+    return lo
 
 
 def _tamper(attack: Attack) -> Tamper:
@@ -202,12 +239,36 @@ class HostileTransport:
     """A round transport that tampers with this node's :class:`~atoll.protocol.allreduce.
     Part` messages as they leave (``nan``, ``equivocate``; see the module docstring);
     everything else goes as ``inner`` sends it. ``codec`` is the run's codec name (every
-    codec's payload starts with a value or a block scale)."""
+    codec's payload starts with a value or a block scale). ``signer``: this node's, to seal
+    the changed parts of a sealed round again."""
 
-    def __init__(self, inner: RoundTransport, attack: Attack, codec: str) -> None:
+    def __init__(
+        self,
+        inner: RoundTransport,
+        attack: Attack,
+        codec: str,
+        signer: AttestationSigner | None = None,
+    ) -> None:
         self.inner = inner
         self.attack = attack
         self.prefix = _NAN_PREFIX.get(codec, _NAN_PREFIX["fp32"])
+        self.signer = signer
+
+    def _changed(self, msg: ar.Part, payload: bytes) -> ar.Part:
+        """``msg`` with ``payload``, sealed again when it was sealed."""
+        seal = msg.seal
+        if seal and self.signer is not None:
+            seal = seal_part(
+                self.signer,
+                msg.run_id,
+                msg.fragment,
+                msg.round,
+                msg.sender,
+                msg.chunk,
+                msg.weight,
+                payload,
+            )
+        return dataclasses.replace(msg, payload=payload, seal=seal)
 
     @property
     def peer_id(self) -> str:
@@ -220,12 +281,12 @@ class HostileTransport:
             k = len(self.prefix)
             bad = self.prefix + msg.payload[k:] if len(msg.payload) >= k else msg.payload
             logger.info("attack nan: a NaN part for chunk %d to %s", msg.chunk, peer)
-            await self.inner.send(peer, dataclasses.replace(msg, payload=bad))
+            await self.inner.send(peer, self._changed(msg, bad))
         else:  # equivocate
             await self.inner.send(peer, msg)
             flipped = bytes([msg.payload[0] ^ 0x11]) + msg.payload[1:]
             logger.info("attack equivocate: a second part for chunk %d to %s", msg.chunk, peer)
-            await self.inner.send(peer, dataclasses.replace(msg, payload=flipped))
+            await self.inner.send(peer, self._changed(msg, flipped))
 
     async def receive(self) -> tuple[str, object]:
         return await self.inner.receive()

@@ -48,7 +48,12 @@ from atoll.node.net.seam import ReadyBoard, RoundTransport
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
-from atoll.protocol.certificate import AttestationReply, AttestationRequest
+from atoll.protocol.certificate import (
+    AttestationReply,
+    AttestationRequest,
+    AttestationSigner,
+    AttestationVerifier,
+)
 from atoll.protocol.errors import AtollError, CodecError, ExchangeTimeout, PeerUnavailable
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings
@@ -577,6 +582,9 @@ async def run_allreduce(
     round_timeout_s: float,
     validator: ar.Validator | None = None,
     linger_s: float = 10.0,
+    signer: AttestationSigner | None = None,
+    opener: AttestationVerifier | None = None,
+    tamper_reduced: Callable[[bytes], bytes] | None = None,
     traffic: RoundTraffic | None = None,
     checkpoint: Callable[[str], None] | None = None,
     background: trio.Nursery | None = None,
@@ -591,7 +599,10 @@ async def run_allreduce(
     connection* (every stream on it, the DHT's too). Without it the sends get
     ``linger_s`` after the outcome and are cancelled after that.
 
-    ``liveness`` hears of sends that failed.
+    ``liveness`` hears of sends that failed. ``signer`` and ``opener`` seal this node's
+    parts and open the others' (a round whose spec is ``sealed``); ``tamper_reduced``
+    (the attack benchmark only) makes this node a hostile chunk owner (see
+    :class:`~atoll.protocol.allreduce.AllReduceRound`).
 
     ``checkpoint`` (fault injection for tests) is called with ``"start"`` before the
     first part goes out, ``"part_sent"`` once one part has been written, and
@@ -611,6 +622,9 @@ async def run_allreduce(
             phase_timeout=phase_timeout_s,
             round_timeout=round_timeout_s,
             validator=validator,
+            signer=signer,
+            opener=opener,
+            tamper_reduced=tamper_reduced,
         )
     except (AtollError, ValueError) as e:
         return ar.Failed(f"cannot start the round: {e}")

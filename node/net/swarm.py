@@ -77,6 +77,7 @@ from atoll.node.net.syncer import FaultHook, Syncer
 from atoll.node.net.tally import SyncTally
 from atoll.node.settings import load_membership
 from atoll.protocol.certificate import CertifiedStates
+from atoll.protocol.codecs import make_codec
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.liveness import Liveness
@@ -164,7 +165,7 @@ class _Node:
         )
         self.syncer = Syncer(
             transport=(
-                HostileTransport(host, attack, manifest.codec)
+                HostileTransport(host, attack, manifest.codec, signer)
                 if attack is not None and attack.on_the_wire
                 else host
             ),
@@ -185,6 +186,13 @@ class _Node:
             robust=manifest.robust,
             strikes=self.strikes,
             tamper=attack.tamper if attack is not None else None,
+            signer=signer,
+            opener=verifier,
+            tamper_reduced=(
+                attack.tamper_reduced(make_codec(manifest.codec, block=manifest.codec_block))
+                if attack is not None
+                else None
+            ),
         )
         self.evidence = EvidenceExchange(
             dht,

@@ -80,7 +80,13 @@ from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
 from atoll.protocol import sync as fs
-from atoll.protocol.certificate import MAX_REPLY_SEALS, Attestation, AttestationRequest
+from atoll.protocol.certificate import (
+    MAX_REPLY_SEALS,
+    Attestation,
+    AttestationRequest,
+    AttestationSigner,
+    AttestationVerifier,
+)
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
 from atoll.protocol.manifest import RobustSettings, Timeouts
@@ -175,7 +181,16 @@ class Syncer:
         strikes: Strikes | None = None,
         tamper: fs.Tamper | None = None,
         attested: Attested | None = None,
+        signer: AttestationSigner | None = None,
+        opener: AttestationVerifier | None = None,
+        tamper_reduced: Callable[[bytes], bytes] | None = None,
     ) -> None:
+        self.signer = signer
+        self.opener = opener
+        """seal this node's parts and open the others' (both set: rounds with part checks
+        are sealed, so a refused part is proven to every member)"""
+        self.tamper_reduced = tamper_reduced
+        """attack injection: this node as a hostile chunk owner (the attack benchmark)"""
         self.strikes = strikes
         """the node's strike ledger (None: nobody is struck or banned)"""
         self.tamper = tamper
@@ -235,7 +250,15 @@ class Syncer:
             checks=self.robust.to_checks(),
             tamper=self.tamper,
             verify_owners=self.robust.verify_owners,
+            sealed=self.sealed,
         )
+
+    @property
+    def sealed(self) -> bool:
+        """Whether this node's rounds seal their parts: with part checks on (the
+        manifest's ``[robust] checks``) and a signer and opener to do it, as every node of
+        a run has."""
+        return self.robust.checks and self.signer is not None and self.opener is not None
 
     def _banned(self, peer: str) -> bool:
         return self.strikes is not None and self.strikes.banned(peer)
@@ -480,6 +503,9 @@ class Syncer:
                     checkpoint=self._checkpoint(action.spec.key.fragment, action.spec.key.round),
                     background=self.background,
                     liveness=self.peers.liveness,
+                    signer=self.signer,
+                    opener=self.opener,
+                    tamper_reduced=self.tamper_reduced,
                 )
                 if report is not None:
                     report.traffic = traffic
@@ -583,16 +609,20 @@ class Syncer:
     def _log_slot(
         self, action: fs.Action, machine: fs.FragmentSync, seen: dict[str, tuple[int, str]]
     ) -> None:
-        """After a round (or none): its outcome and the slot's declarations."""
+        """After a round (or none): its outcome, the slot's declarations and, once
+        applied, the group's members (the benchmarks read this line)."""
         if isinstance(action, fs.RunRound):
             return
         request = machine.request
+        reason = machine.round_reason
+        members = machine.members if not reason else ()
         logger.info(
-            "fragment %d slot %d: %s; the slot's declarations: %s",
+            "fragment %d slot %d: %s; the slot's declarations: %s%s",
             machine.fragment,
             request.round if request is not None else -1,
-            machine.round_reason or "applied",
+            reason or "applied",
             ", ".join(f"{peer[-6:]} v{v} {d[:6]}" for peer, (v, d) in seen.items()) or "none",
+            f"; members: {', '.join(p[-6:] for p in members)}" if members else "",
         )
 
     # -- serving -----------------------------------------------------------------------------

@@ -120,9 +120,36 @@ def _two_ahead() -> tuple[OuterEngine, fs.Holding]:
     return other, ("peer-ahead", other.version(0), other.digest(0))
 
 
-def test_a_peer_far_behind_rebases_instead_of_grouping() -> None:
+def _n_ahead(k: int) -> tuple[OuterEngine, fs.Holding]:
+    """A peer's engine ``k`` versions ahead, and its holding."""
+    other = _engine(seed=1)
+    for v in range(k):
+        other.begin(0, _local(-1.0 - v), 3 + v)
+        other.deliver(0, np.full(N, 0.5, np.float32), v)
+    return other, ("peer-ahead", other.version(0), other.digest(0))
+
+
+def test_a_peer_a_few_versions_behind_offers_its_delta_at_a_discount() -> None:
+    """Two versions behind as its sync starts (cut off for a round): the peer copies the
+    state and joins the swarm's round there with its Δ, at half its token weight."""
     engine, changes = _engine(), []
     other, holding = _two_ahead()
+    sync = _sync(engine, changes)
+    first = sync.begin(_local(1.0), step=3)
+    action = sync.plan([holding, ("peer-old", 0, engine.digest(0))], wall_now=0.0)
+    assert action == fs.FetchState(0, "peer-ahead", holding[1:], N)
+    again = sync.fetched(other.export_fragment(0, step=77))
+    assert isinstance(again, fs.FindGroup) and again.declaration.slot == 2
+    pending = engine.pending(0)
+    assert pending is not None and pending.payload == first.payload
+    run = sync.matched(_formed(ME, "b"))
+    assert isinstance(run, fs.RunRound) and run.weight == pending.weight / 2
+    assert engine.digest(0) == other.digest(0) and changes == [(0, "rebase")]
+
+
+def test_a_peer_far_behind_rebases_instead_of_grouping() -> None:
+    engine, changes = _engine(), []
+    other, holding = _n_ahead(fs.MAX_STALENESS + 1)
     sync = _sync(engine, changes)
     sync.begin(_local(1.0), step=3)
     action = sync.plan([holding, ("peer-old", 0, engine.digest(0))], wall_now=0.0)
@@ -130,7 +157,8 @@ def test_a_peer_far_behind_rebases_instead_of_grouping() -> None:
     done = sync.fetched(other.export_fragment(0, step=77))
     assert isinstance(done, fs.SyncDone)
     assert done.applied and done.rebased and done.state_step == 77
-    assert done.round_status == "none" and done.reason == "rebased to version 2"
+    assert done.round_status == "none"
+    assert done.reason == f"rebased to version {fs.MAX_STALENESS + 1}"
     assert engine.digest(0) == other.digest(0) and engine.pending(0) is None
     assert changes == [(0, "rebase")]
 
@@ -368,11 +396,25 @@ def test_withdrawn_from_a_losing_copy_the_peer_offers_its_delta_at_the_winner() 
     assert engine.stats(0).skipped == 2  # the import's skip of Δ, then the round's
 
 
-def test_withdrawn_for_a_newer_version_the_round_is_rolled_back_then_rebased() -> None:
-    """A copy one version ahead: its group already ran, so the sync ends with a rebase
-    (the next sync meets the swarm at the new slot) instead of waiting at a new slot."""
+def test_withdrawn_for_a_newer_version_the_peer_joins_the_swarms_slot() -> None:
+    """A copy two versions ahead (the swarm's round of that slot is forming as the peer
+    learns of it): the peer copies it and offers its Δ there, at half weight."""
     engine = _engine()
-    other, ahead = _ahead()
+    other, ahead = _two_ahead()
+    sync = _sync(engine)
+    first = sync.begin(_local(1.0), step=3)
+    sync.plan([], wall_now=0.0)
+    action = sync.matched(mm.Alone("withdrawn: behind", withdrawn=True), [ahead])
+    assert isinstance(action, fs.FetchState)
+    again = sync.fetched(other.export_fragment(0, step=9))
+    assert isinstance(again, fs.FindGroup) and again.declaration.slot == 2
+    run = sync.matched(_formed(ME, "b"))
+    assert isinstance(run, fs.RunRound) and run.weight == first.weight / 2
+
+
+def test_withdrawn_for_a_copy_far_ahead_the_round_is_rolled_back_then_rebased() -> None:
+    engine = _engine()
+    other, ahead = _n_ahead(fs.MAX_STALENESS + 1)
     sync = _sync(engine)
     sync.begin(_local(1.0), step=3)
     sync.plan([], wall_now=0.0)
@@ -380,7 +422,7 @@ def test_withdrawn_for_a_newer_version_the_round_is_rolled_back_then_rebased() -
     assert isinstance(action, fs.FetchState)
     done = sync.fetched(other.export_fragment(0, step=9))
     assert isinstance(done, fs.SyncDone) and done.rebased and done.round_status == "alone"
-    assert engine.version(0) == 1 and engine.pending(0) is None
+    assert engine.version(0) == fs.MAX_STALENESS + 1 and engine.pending(0) is None
 
 
 def test_withdrawn_when_nobody_serves_the_winner_the_round_is_rolled_back() -> None:

@@ -643,12 +643,11 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
     sides: tuple[tuple[int, ...], ...], jitter_s: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A 2|2 and a 3|1 split (and a 2|2 with delayed, reordered messages): every side of
-    at least the quorum commits each sync; after healing one sync settles the copies (the
-    rule picks one, the rest rebase) and the next sync is one group of everybody on one
-    copy. The two sides of a 2|2 split hold the same version: the losing side copies the
-    winner before its round and offers its Δ there, so the first sync after healing is
-    already one group of everybody. A loser that did not know the winner's certificate
-    when its sync began learns it while it waits at its slot, and withdraws from it."""
+    at least the quorum commits each sync; the first sync after healing is already one
+    group of everybody on one copy: the rule picks one copy, and the losing side (on a
+    copy of the same version, or the lone side two versions behind) copies it before its
+    round and offers its Δ there. A loser that did not know the winner's certificate when
+    its sync began learns it while it waits at its slot, and withdraws from it."""
     caplog.set_level(logging.INFO, logger="atoll.protocol.sync")
 
     async def main() -> None:
@@ -675,22 +674,13 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
             copies = {n.state() for n in nodes}
             assert len(copies) == len(sides)  # each side on its own copy
             net.heal()
-            lead = nodes[sides[0][0]].state()
-            await _sync_nodes(nodes, 15, 3)  # the losers rebase
-            if len(sides[1]) < GROUP.min_quorum:
-                # the lone side, two versions behind, copies the state the others start
-                # their round from (its Δ is too stale to offer); it joins the next round
-                (lone,) = (nodes[i] for i in sides[1])
-                assert lone.report.done.rebased and lone.state() == lead  # type: ignore[union-attr]
-                assert len({n.state() for n in nodes if n is not lone}) == 1
-            else:
-                assert len({n.state() for n in nodes}) == 1, [n.report.done for n in nodes]  # type: ignore[union-attr]
-            if len(sides[0]) == len(sides[1]):  # the losers joined the winners' round
-                assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
-                losers = [n for n in nodes if n.report.done.rebased]  # type: ignore[union-attr]
-                assert len(losers) == 2 and all(n.report.done.applied for n in losers)  # type: ignore[union-attr]
-                if jitter_s == 0.0:
-                    assert "withdrawn: the swarm follows version 3" in caplog.text
+            await _sync_nodes(nodes, 15, 3)  # the losers rebase and join the round
+            assert len({n.state() for n in nodes}) == 1, [n.report.done for n in nodes]  # type: ignore[union-attr]
+            assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
+            losers = [n for n in nodes if n.report.done.rebased]  # type: ignore[union-attr]
+            assert len(losers) == len(sides[1]) and all(n.report.done.applied for n in losers)  # type: ignore[union-attr]
+            if jitter_s == 0.0:
+                assert "withdrawn: the swarm follows version 3" in caplog.text
             await _sync_nodes(nodes, 19, 4)  # one group of everybody
             assert len({n.state() for n in nodes}) == 1
             assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]

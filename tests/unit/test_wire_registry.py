@@ -8,7 +8,7 @@ import typing
 import msgpack
 import pytest
 
-from atoll.protocol import allreduce, certificate, matchmaking, statesync
+from atoll.protocol import allreduce, certificate, matchmaking, partseal, statesync
 from atoll.protocol.errors import CodecError
 from atoll.protocol.messages import (
     PROTOCOL_VERSION,
@@ -44,6 +44,7 @@ MESSAGES = [
     statesync.StateChunk,
     certificate.AttestationRequest,
     certificate.AttestationReply,
+    partseal.PartStatement,
 ]
 
 
