@@ -6,6 +6,9 @@ Map of the modules:
 - ``records``    typed, sealed, expiring records (peer, ready, state, attestation) and
                  their rules
 - ``directory``  one node's view of its run, built from records, on an injected clock
+- ``storebound`` how much peers may make this node's DHT stores keep: the bounds, the
+                 eviction ledger, and the limiter of its log lines (which reads the
+                 monotonic clock unless handed one); ``kad``'s store gates apply them
 - ``kad``        the network adapter: py-libp2p's Kademlia DHT under ``/atoll/kad/1.0.0``
                  (``AtollDHT``, trio); not re-exported here, so importing the package
                  loads no libp2p

@@ -53,7 +53,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from atoll.dht.kad import DHT_PROTOCOL, AtollDHT, StoreBounds, _KadHost
+from atoll.dht.kad import DHT_PROTOCOL, AtollDHT, _KadHost
 from atoll.dht.keys import peer_key, ready_key, ready_topic
 from atoll.dht.records import (
     AttestationRecord,
@@ -63,6 +63,7 @@ from atoll.dht.records import (
     RejectedRecord,
     encode_value,
 )
+from atoll.dht.storebound import StoreBounds
 from atoll.node.net.host import HostConfig, open_host
 from atoll.protocol.certificate import Attestation, assemble, seal_attestation
 from atoll.protocol.errors import ConfigError

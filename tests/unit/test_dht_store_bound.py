@@ -1,7 +1,8 @@
-"""What peers may make a node's DHT store keep (atoll.dht.kad's store bound), without
-sockets: the eviction rule of :class:`~atoll.dht.kad.StoreLedger`, the gates that apply it
-to values and provider entries, their rate-limited log lines, and the hooks that put the
-gates in front of a real (unstarted) py-libp2p ``KadDHT``'s stores."""
+"""What peers may make a node's DHT store keep (atoll.dht.storebound, and atoll.dht.kad's
+gates), without sockets: the eviction rule of :class:`~atoll.dht.storebound.StoreLedger`,
+the gates that apply it to values and provider entries, their rate-limited log lines, and
+the hooks that put the gates in front of a real (unstarted) py-libp2p ``KadDHT``'s
+stores."""
 
 from __future__ import annotations
 
@@ -22,18 +23,17 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from atoll.dht import libp2p_internals
-from atoll.dht.kad import (
+from atoll.dht.kad import AtollDHT, _StoreGuard
+from atoll.dht.keys import BASE58_ALPHABET, peer_key, ready_key, ready_topic
+from atoll.dht.records import MAX_ADDRS, MAX_TTL_S, ReadyRecord, Record
+from atoll.dht.storebound import (
     FAIR_SHARE,
     MAX_STORED,
     MAX_STORED_PER_PEER,
-    AtollDHT,
     StoreBounds,
     StoreLedger,
     _Notices,
-    _StoreGuard,
 )
-from atoll.dht.keys import BASE58_ALPHABET, peer_key, ready_key, ready_topic
-from atoll.dht.records import MAX_ADDRS, MAX_TTL_S, ReadyRecord, Record
 from atoll.protocol.errors import ConfigError
 
 RUN = "b0d5" * 16
