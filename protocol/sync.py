@@ -260,6 +260,11 @@ class FragmentSync:
         return self._members
 
     @property
+    def round_status(self) -> RoundStatus:
+        """How this sync's round ended (``none`` while no round has ended)."""
+        return self._status
+
+    @property
     def round_reason(self) -> str:
         """Why the round was not applied (empty while none failed or when it was)."""
         return self._reason

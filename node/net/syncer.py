@@ -598,9 +598,13 @@ class Syncer:
 
     def _known(self, p: int, seen: dict[str, tuple[int, str]]) -> list[fs.Holding]:
         """The live records' holdings of ``p`` updated by the slot's declarations
-        ``seen``, believed or not."""
+        ``seen``, believed or not. A declaration counts over its peer's record when it is
+        at least as new: a slot's ready records stay in the DHT after the slot's round,
+        while the peer's record moves on to the version the round made."""
         live = {peer: (peer, v, d) for peer, v, d in self.peers.declared(p)}
-        live.update((peer, (peer, v, d)) for peer, (v, d) in seen.items() if not self._banned(peer))
+        for peer, (v, d) in seen.items():
+            if not self._banned(peer) and (peer not in live or v >= live[peer][1]):
+                live[peer] = (peer, v, d)
         return list(live.values())
 
     def _checkpoint(self, p: int, slot: int) -> Callable[[str], None] | None:
@@ -611,8 +615,8 @@ class Syncer:
     ) -> None:
         """After a round (or none): its outcome, the slot's declarations and, once
         applied, the group's members (the benchmarks read this line)."""
-        if isinstance(action, fs.RunRound):
-            return
+        if isinstance(action, fs.RunRound) or machine.round_status == "none":
+            return  # no round ended yet (a round to run, or a slot left for another copy)
         request = machine.request
         reason = machine.round_reason
         members = machine.members if not reason else ()

@@ -649,6 +649,7 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
     round and offers its Δ there. A loser that did not know the winner's certificate when
     its sync began learns it while it waits at its slot, and withdraws from it."""
     caplog.set_level(logging.INFO, logger="atoll.protocol.sync")
+    caplog.set_level(logging.INFO, logger="atoll.node.net.syncer")
 
     async def main() -> None:
         async with (
@@ -681,6 +682,8 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
             assert len(losers) == len(sides[1]) and all(n.report.done.applied for n in losers)  # type: ignore[union-attr]
             if jitter_s == 0.0:
                 assert "withdrawn: the swarm follows version 3" in caplog.text
+            # one line per node for the slot's one round (a withdrawal logs no round)
+            assert caplog.text.count("fragment 0 slot 3: applied;") == 4, caplog.text
             await _sync_nodes(nodes, 19, 4)  # one group of everybody
             assert len({n.state() for n in nodes}) == 1
             assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
@@ -923,6 +926,29 @@ def test_the_certificate_watcher_believes_a_peers_state_before_the_fragment_sync
                 while not beliefs.believes(0, *ahead):
                     await trio.sleep(0.1)
             assert late.state()[0] == 0  # believed, not yet copied: the sync does that
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_slots_old_declaration_does_not_hide_its_peers_newer_record() -> None:
+    """The ready records of a slot stay in the DHT after its round: a peer's declaration
+    there counts over its record only when it is at least as new."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 3)
+            old = nodes[1].state()
+            await _sync_nodes(nodes, 3, 0)
+            new = nodes[1].state()
+            assert new[0] == old[0] + 1
+            me = nodes[0].syncer
+            await me.peers.refresh()
+            known = {p: (v, d) for p, v, d in me._known(0, {"peer-1": old})}
+            assert known["peer-1"] == new  # the record, newer than the slot's declaration
+            other = (new[0], "ab" * 16)
+            known = {p: (v, d) for p, v, d in me._known(0, {"peer-1": other})}
+            assert known["peer-1"] == other  # a declaration as new as the record counts
             services.cancel_scope.cancel()
 
     _run(main)
