@@ -12,7 +12,9 @@ refused like any other bad part), and when it refuses a part for what it holds, 
 :class:`~atoll.protocol.allreduce.Abort` carries the proof: the sealed part alone when the
 part is bad by itself (does not decode, is not finite, a weight that is not a positive
 number), or every sealed part of the chunk when the part is bad relative to the group
-(:func:`~atoll.protocol.checks.violations`: norm or weight over the group's bound).
+(:func:`~atoll.protocol.checks.violations`: norm or weight over the group's bound), or
+both sealed parts when a member sent the owner two different ones for the chunk
+(equivocation: two seals of one member for one chunk and round prove it by themselves).
 
 :func:`judge` is what a member does with such a proof: it opens every seal (each must be
 the named member's, for this round and chunk, and match the payload and weight given),
@@ -137,6 +139,9 @@ class Proof:
     weights: tuple[float, ...]
     payloads: tuple[bytes, ...]
     seals: tuple[bytes, ...]
+    twin: tuple[float, bytes, bytes] | None = None
+    """an equivocation: a second sealed part (weight, payload, seal) of the one member
+    whose part is given, for the same chunk"""
 
 
 def judge(
@@ -168,20 +173,22 @@ def judge(
     given = [k for k in range(n) if proof.payloads[k]]
     if not given:
         return None, "a proof without parts"
-    for k in given:
+    parts = [(k, proof.weights[k], proof.payloads[k], proof.seals[k]) for k in given]
+    if proof.twin is not None:
+        if len(given) != 1:
+            return None, "a malformed proof"
+        parts.append((given[0], *proof.twin))
+    for k, weight, payload, seal in parts:
         problem = seal_problem(
-            opener,
-            proof.seals[k],
-            run_id,
-            fragment,
-            round_,
-            members[k],
-            j,
-            proof.weights[k],
-            proof.payloads[k],
+            opener, seal, run_id, fragment, round_, members[k], j, weight, payload
         )
         if problem is not None:
             return None, f"the proof does not hold: {problem}"
+    if proof.twin is not None:
+        (k,) = given
+        if proof.twin[:2] == (proof.weights[k], proof.payloads[k]):
+            return None, "the two sealed parts are the same"
+        return _convict(members[k], me, f"it sealed two different parts for chunk {j}")
     a, b = bounds[j]
     decoded: list[F32Array] = []
     for k in given:

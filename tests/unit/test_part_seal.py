@@ -286,3 +286,72 @@ def test_an_abort_with_its_proof_round_trips_on_the_wire() -> None:
     assert decode_message(encode_message(full)) == full
     plain = Abort(k.run_id, k.fragment, k.round, spec.members[0], "x")
     assert len(encode_message(plain)) < 200  # the proof's fields stay off the wire
+
+
+def test_two_different_sealed_parts_for_one_chunk_are_proven_to_every_member() -> None:
+    """An equivocating member sends the owner of chunk 0 a second, different part with a
+    valid seal of its own: the two seals convict it at every member."""
+    spec, payloads, weights = _inputs("fp32")
+    bad = spec.members[2]
+    k = spec.key
+
+    def twice(s: Send) -> list[Send]:
+        p = s.message
+        if not isinstance(p, Part) or p.chunk != 0:
+            return [s]
+        other = bytes([p.payload[0] ^ 0x10]) + p.payload[1:]
+        seal = seal_part(SIGNERS[bad], k.run_id, k.fragment, k.round, bad, 0, p.weight, other)
+        return [s, Send(s.to, replace(p, payload=other, seal=seal))]
+
+    net = run_net(_sealed_net(spec, payloads, weights, mutate={bad: twice}))
+    assert net.done() == {}
+    owner = spec.members[0]
+    for m in spec.members:
+        if m != bad:
+            failed = net.failed()[m]
+            assert failed.culprit == bad, failed
+            if m != owner:
+                assert "two different parts for chunk 0" in failed.reason
+
+
+def test_an_equivocation_proof_holds_only_with_two_different_seals_of_the_member() -> None:
+    spec, payloads, weights = _inputs("fp32")
+    me, victim = spec.members[4], spec.members[1]
+    full = _honest_proof(spec, payloads, weights)
+    one = Proof(
+        0,
+        tuple(w if i == 1 else 0.0 for i, w in enumerate(full.weights)),
+        tuple(p if i == 1 else b"" for i, p in enumerate(full.payloads)),
+        tuple(s if i == 1 else b"" for i, s in enumerate(full.seals)),
+    )
+    k = spec.key
+    other = b"\x00" + full.payloads[1][1:]
+    own = seal_part(SIGNERS[victim], k.run_id, k.fragment, k.round, victim, 0, weights[1], other)
+    assert _judge(spec, replace(one, twin=(weights[1], other, own)), me)[0] == victim
+    # the same part twice is no equivocation
+    same = (weights[1], full.payloads[1], full.seals[1])
+    assert _judge(spec, replace(one, twin=same), me)[0] is None
+    # a second part sealed by someone else (the accuser) proves nothing
+    framed = seal_part(SIGNERS[me], k.run_id, k.fragment, k.round, victim, 0, weights[1], other)
+    assert _judge(spec, replace(one, twin=(weights[1], other, framed)), me)[0] is None
+    # a twin needs exactly one member's part beside it
+    assert _judge(spec, replace(full, twin=(weights[1], other, own)), me) == (
+        None,
+        "a malformed proof",
+    )
+    # and it travels on the wire
+    msg = Abort(
+        k.run_id,
+        k.fragment,
+        k.round,
+        me,
+        "x",
+        0,
+        one.weights,
+        one.payloads,
+        one.seals,
+        weights[1],
+        other,
+        own,
+    )
+    assert decode_message(encode_message(msg)) == msg
