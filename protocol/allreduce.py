@@ -564,14 +564,14 @@ class AllReduceRound:
 
     def _on_abort(self, msg: Abort) -> list[Action]:
         reason = f"aborted by {msg.sender}: {_clip(str(msg.reason))}"
-        if not (self.spec.sealed and msg.payloads):
+        proof = msg.proof() if self.spec.sealed else None
+        if proof is None:
             return self._fail(reason, skip=msg.sender)
         assert self._opener is not None
         self._bytes_received += sum(len(p) for p in msg.payloads if isinstance(p, bytes))
         k = self.spec.key
-        twin = (msg.twin_weight, msg.twin_payload, msg.twin_seal) if msg.twin_payload else None
         convicted, why = judge(
-            Proof(msg.chunk, msg.weights, msg.payloads, msg.seals, twin),
+            proof,
             opener=self._opener,
             run_id=k.run_id,
             fragment=k.fragment,
@@ -1113,21 +1113,7 @@ class AllReduceRound:
         key = self.spec.key
         out: list[Action] = []
         if abort:
-            msg = Abort(key.run_id, key.fragment, key.round, self.me, reason)
-            if proof is not None:
-                twin = proof.twin if proof.twin is not None else (0.0, b"", b"")
-                msg = Abort(
-                    key.run_id,
-                    key.fragment,
-                    key.round,
-                    self.me,
-                    reason,
-                    proof.chunk,
-                    proof.weights,
-                    proof.payloads,
-                    proof.seals,
-                    *twin,
-                )
+            msg = Abort.carrying(key, self.me, reason, proof)
             out = [self._send(m, msg) for m in self.spec.members if m != self.me and m != skip]
         out.append(Failed(reason, culprit, missing, suspects))
         self._release()

@@ -18,7 +18,7 @@ from atoll.protocol.checks import PartChecks
 from atoll.protocol.codecs import Codec, make_codec
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.messages import wire_message
-from atoll.protocol.partseal import MAX_PART_SEAL
+from atoll.protocol.partseal import MAX_PART_SEAL, Proof
 from atoll.protocol.reduce import chunk_bounds
 from atoll.protocol.robust import RobustRule
 
@@ -213,6 +213,32 @@ class Abort:
     for ``chunk`` (its weight, payload and seal); else 0 and empty, left off the wire"""
     twin_payload: bytes = b""
     twin_seal: bytes = field(default=b"", metadata={"max_len": MAX_PART_SEAL})
+
+    @classmethod
+    def carrying(cls, key: RoundKey, sender: str, reason: str, proof: Proof | None = None) -> Abort:
+        """``sender``'s abort of the round ``key``, with ``proof`` when there is one."""
+        if proof is None:
+            return cls(key.run_id, key.fragment, key.round, sender, reason)
+        twin = proof.twin if proof.twin is not None else (0.0, b"", b"")
+        return cls(
+            key.run_id,
+            key.fragment,
+            key.round,
+            sender,
+            reason,
+            proof.chunk,
+            proof.weights,
+            proof.payloads,
+            proof.seals,
+            *twin,
+        )
+
+    def proof(self) -> Proof | None:
+        """The proof this abort carries (None when it carries none)."""
+        if not self.payloads:
+            return None
+        twin = (self.twin_weight, self.twin_payload, self.twin_seal) if self.twin_payload else None
+        return Proof(self.chunk, self.weights, self.payloads, self.seals, twin)
 
 
 @wire_message(13)
