@@ -9,9 +9,11 @@ trainer's GIL (docs/DESIGN.md, "Concurrency"). Per inner step:
 1. train one step (AdamW, the manifest's schedule), on this peer's own data stream;
 2. for every fragment whose sync is due (Streaming DiLoCo's schedule, arXiv 2501.18512):
    copy its values into shared memory and start the sync; training goes on;
-3. ``τ`` steps later, wait for the result at most ``timeouts.apply_wait_s``; an applied
-   round is merged (local ← α·local + (1−α)·global); a wait that runs out is counted and
-   logged, and a late result is merged when it arrives.
+3. ``τ`` steps later, wait for the result at most ``timeouts.apply_wait_s`` (longer while
+   the network process holds the fragment: this node reached the slot before peers due
+   there, and waits for them rather than run ahead); an applied round is merged
+   (local ← α·local + (1−α)·global); a wait that runs out is counted and logged, and a
+   late result is merged when it arrives.
 
 Steps 2 and 3 are :class:`~atoll.protocol.streaming.StreamingLoop`, the simulator's loop
 too; its exchange here is the bridge (:class:`_BridgeExchange`). After a rebase that
@@ -91,6 +93,9 @@ class NodeSummary:
     waits_run_out: int
     steps_jumped: int
     """steps skipped after a rebase found the swarm further ahead in time"""
+    waits_held: int
+    """waits made longer because the node reached a slot before its peers (it waited
+    for them there instead of running ahead)"""
     stopped_by: str
     global_digest: str
     settled: bool = False
@@ -450,6 +455,7 @@ class _Run:
             rebases=status.rebases,
             waits_run_out=waits_run_out,
             steps_jumped=self.jumped,
+            waits_held=bridge.stats.held,
             stopped_by=stopped_by,
             global_digest=global_digest,
             settled=settled.agreed,

@@ -75,8 +75,8 @@ else brings it back in step. With ``patience`` set, the deadline moves once, to
 ``start + timeout + patience``, as soon as the peer has reason to wait: the driver names
 peers it expects at this slot (:meth:`Matchmaker.expect`: they answer, train and hold this
 slot's state, but have not declared yet), or its leader accepted it (a live leader decides
-when the group forms or disbands, and says so). The trainer meanwhile blocks at the
-round's apply step, which brings an early node back in step with the others.
+when the group forms or disbands, and says so). The driver holds the trainer at the
+round's apply step meanwhile, which brings an early node back in step with the others.
 
 Termination. Every wait is bounded by ``timeout`` (:attr:`Timeouts.matchmaking_s`) plus
 ``patience`` when extended: at the deadline a leader with a quorum forms, a leader

@@ -44,6 +44,8 @@ Commands (msgpack arrays)::
 
     trainer -> network   ["start", fragment, step, tokens]   ["shutdown"]
     network -> trainer   ["ready"]   ["outcome", fragment, step, applied, round, reason]
+                         ["hold", fragment, seconds]   (the sync waits for peers due
+                                                        at its slot; 0 releases)
                          ["status", {field: value}]   (the whole NodeStatus, wire form;
                                                        becomes NetworkBridge.status)
                          ["info", {field: value}]   (the older partial form: the fields
@@ -113,6 +115,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DIED = "network process died"
+MAX_HOLD_S = 120.0
+"""the longest a hold keeps the trainer waiting for one outcome (the network process
+asks for at most its matchmaking deadline; this bounds a faulty one)"""
 """the reason of the outcomes of rounds in flight when the network process exits"""
 _MAX_MESSAGE = 1 << 16  # commands are tiny; anything larger is a bug
 _F32 = np.dtype(np.float32)
@@ -143,6 +148,8 @@ class BridgeStats:
     """waits that ran out: the trainer went on without the round's result"""
     wait_s: float = 0.0
     """seconds the trainer spent blocked in :meth:`NetworkBridge.wait`"""
+    held: int = 0
+    """waits made longer than asked by a hold (the node was ahead of its peers)"""
 
 
 # -- shared memory --------------------------------------------------------------------------
@@ -461,6 +468,7 @@ class NetworkBridge:
         self.stats = BridgeStats()
         self._pending: dict[int, int] = {}  # fragment -> step, started and not yet finished
         self._finished: dict[int, SyncOutcome] = {}  # received, not yet handed out
+        self._holds: dict[int, float] = {}  # fragment -> monotonic time a hold ends
         self._dead: str | None = None
         self._closed = False
         self._settled: Settled | None = None
@@ -571,6 +579,7 @@ class NetworkBridge:
             self._mark_dead("its command pipe broke")
             self._check_usable()
         self._pending[fragment] = int(step)
+        self._holds.pop(fragment, None)
         self.stats.started += 1
 
     def poll(self) -> list[SyncOutcome]:
@@ -586,7 +595,14 @@ class NetworkBridge:
         return out
 
     def wait(self, fragment: int, timeout_s: float) -> SyncOutcome | None:
-        """Block until fragment's outcome arrives, at most ``timeout_s`` seconds.
+        """Block until fragment's outcome arrives, at most ``timeout_s`` seconds, or
+        longer while the network process holds the fragment.
+
+        A hold (``["hold", fragment, seconds]``) says the sync still waits for peers due
+        at its slot, which have not arrived: this node is ahead of them. Waiting with it
+        (at most :data:`MAX_HOLD_S`, until the hold is released or the outcome comes)
+        brings the node back in step with the swarm, where training on would have it
+        arrive first, and miss them, at every later slot as well.
 
         ``None``: not finished in time; the trainer goes on without it (counted in
         ``stats.skipped``) and the outcome comes later through :meth:`poll`. When the
@@ -599,21 +615,34 @@ class NetworkBridge:
             self._check_usable()
             raise ConfigError(f"fragment {fragment} has no sync in flight")
         t0 = time.monotonic()
-        deadline = t0 + max(0.0, timeout_s)
+        asked = t0 + max(0.0, timeout_s)
+        held = False
         try:
             while True:
                 self._drain(0.0)
                 if fragment in self._finished:
                     return self._finished.pop(fragment)
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                deadline = max(asked, min(self._holds.get(fragment, 0.0), t0 + MAX_HOLD_S))
+                if deadline > asked and not held:
+                    held = True
+                    log.info(
+                        "fragment %d: its peers have not reached the slot yet; the trainer "
+                        "waits up to %.0f s for them",
+                        fragment,
+                        deadline - now,
+                    )
+                left = deadline - now
                 if left <= 0:
                     self.stats.skipped += 1
                     return None
-                self._drain(left)
+                self._drain(left)  # a hold or its release wakes this up too
                 if fragment in self._finished:
                     return self._finished.pop(fragment)
         finally:
-            self.stats.wait_s += time.monotonic() - t0
+            end = time.monotonic()
+            self.stats.wait_s += end - t0
+            self.stats.held += held and end > asked
 
     def settle(self, timeout_s: float) -> Settled:
         """At the end of a run: have the network process bring every fragment onto the
@@ -735,12 +764,19 @@ class NetworkBridge:
                 log.warning("outcome of fragment %d that has no sync in flight", o.fragment)
                 return
             self._finished[o.fragment] = o
+            self._holds.pop(o.fragment, None)
             if o.applied:
                 self.stats.applied += 1
             else:
                 self.stats.failed += 1
         elif kind in ("status", "info"):
             self._take_status(msg)
+        elif kind == "hold" and len(msg) == 3:
+            p, seconds = int(msg[1]), float(msg[2])
+            if p in self._pending and seconds > 0:
+                self._holds[p] = time.monotonic() + min(seconds, MAX_HOLD_S)
+            else:
+                self._holds.pop(p, None)
         elif kind == "settled" and len(msg) == 3:
             self._settled = Settled(bool(msg[1]), str(msg[2]))
         elif kind == "error":
@@ -761,6 +797,8 @@ async def local_engine_worker(
     fail_every: int = 0,
     load_s: float = 0.0,
     load_numel: int = 1 << 20,
+    hold_s: float = 0.0,
+    release_after_s: float | None = None,
 ) -> None:
     """An OuterEngine over ``shared`` with a loopback exchange: a group of one.
 
@@ -770,7 +808,10 @@ async def local_engine_worker(
     the new global copy to ``shared.global_(p)``, all CPU work in worker threads.
     Simulation knobs: ``delay_s`` of network time per round; every ``fail_every``-th
     round fails (``injected fault``); ``load_s`` seconds of CPU load per round (encoding
-    a random vector of ``load_numel`` values with the run's codec, again and again).
+    a random vector of ``load_numel`` values with the run's codec, again and again);
+    ``hold_s`` > 0: each round asks the trainer to wait that long (:func:`post_hold`, as a
+    swarm sync that waits for peers due at its slot), and releases it after
+    ``release_after_s`` (None: never; the outcome ends the hold).
     Before each outcome it posts its :class:`NodeStatus` (rounds, versions, last syncs).
     """
     engine = OuterEngine(
@@ -826,6 +867,11 @@ async def local_engine_worker(
             request = await trio.to_thread.run_sync(begin, sync, step, tokens)
         rounds += 1
         try:
+            if hold_s > 0:
+                post_hold(outbox, p, hold_s)
+                if release_after_s is not None:
+                    await trio.sleep(release_after_s)
+                    post_hold(outbox, p, 0.0)
             if delay_s > 0:
                 await trio.sleep(delay_s)
             if load_s > 0:
@@ -847,6 +893,13 @@ async def local_engine_worker(
         return report(await run_round(p, step, tokens))
 
     await serve(inbox, outbox, handle)
+
+
+def post_hold(outbox: Connection, fragment: int, seconds: float) -> None:
+    """Tell the trainer that fragment's sync waits ``seconds`` more for peers due at its
+    slot (0: no longer); see :meth:`NetworkBridge.wait`."""
+    with contextlib.suppress(OSError):  # the trainer went away: serve() notices
+        _send(outbox, ["hold", int(fragment), float(seconds)])
 
 
 def post_status(outbox: Connection, status: NodeStatus) -> None:

@@ -465,6 +465,7 @@ async def run_matchmaking(
     expected: Callable[[], Collection[str]] | None = None,
     banned: Callable[[str], bool] | None = None,
     outdated: Callable[[], str | None] | None = None,
+    hold: Callable[[float], None] | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -485,7 +486,11 @@ async def run_matchmaking(
     banned peers are left out and their requests to join unanswered. ``outdated``: asked
     at every DHT view; a reason once the state ``me`` declared lost to another, and the
     node then withdraws from the slot (:meth:`~atoll.protocol.matchmaking.Matchmaker.withdraw`)
-    instead of waiting out its deadline.
+    instead of waiting out its deadline. ``hold``: called with the seconds left to the
+    deadline once the matchmaker waits with patience (peers due at the slot have not
+    declared yet, or a leader took this node in), and with 0 when matchmaking ends: the
+    trainer blocks meanwhile, so a node that runs ahead of the swarm falls back in step
+    (see :meth:`~atoll.node.net.bridge.NetworkBridge.wait`).
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
@@ -497,6 +502,7 @@ async def run_matchmaking(
     outcome: mm.Formed | mm.Alone | None = None
     mailbox.open(key, send_ch)
     stop = trio.Event()
+    holding = False
     try:
         async with contextlib.AsyncExitStack() as stack:
             io: trio.Nursery = (
@@ -533,6 +539,7 @@ async def run_matchmaking(
             io.start_soon(poll)
 
             def observe(decls: list[mm.Declaration], now: float) -> list[Any]:
+                nonlocal holding
                 if view is not None:
                     view(decls)
                 lost = outdated() if outdated is not None else None
@@ -547,7 +554,12 @@ async def run_matchmaking(
                 if expected is not None:
                     due = [p for p in expected() if p not in declared]
                     out.extend(machine.expect(due, now=now))
-                return [*out, *machine.observe(decls, now=now)]
+                out.extend(machine.observe(decls, now=now))
+                waiting = machine.state not in ("formed", "alone")
+                if hold is not None and machine.extended and waiting and not holding:
+                    holding = True
+                    hold(max(0.0, machine.deadline - now))
+                return out
 
             first = machine.tick(trio.current_time())
             driven = machine if banned is None else _Refusing(machine, banned)
@@ -565,6 +577,8 @@ async def run_matchmaking(
     finally:
         stop.set()
         mailbox.close(key)
+        if holding and hold is not None:
+            hold(0.0)
     return outcome
 
 

@@ -47,6 +47,7 @@ swarm's.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -59,7 +60,14 @@ from atoll.dht.records import PeerRecord
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
 from atoll.node.net.attacks import Attack, HostileTransport, forged_versions, parse_attack
-from atoll.node.net.bridge import Settled, SharedFragments, SyncOutcome, post_status, serve
+from atoll.node.net.bridge import (
+    Settled,
+    SharedFragments,
+    SyncOutcome,
+    post_hold,
+    post_status,
+    serve,
+)
 from atoll.node.net.certwatch import watch_certificates
 from atoll.node.net.faults import parse_fault
 from atoll.node.net.host import AGENT, AtollHost, HostConfig, open_host
@@ -194,6 +202,8 @@ class _Node:
                 else None
             ),
         )
+        # a node ahead of its peers waits for them at the slot (see NetworkBridge.wait)
+        self.syncer.on_hold = functools.partial(post_hold, outbox)
         self.evidence = EvidenceExchange(
             dht,
             peer_id=host.peer_id,

@@ -230,6 +230,10 @@ class Syncer:
         """one engine call at a time"""
         self.step = 0
         """the newest inner step this node reported (handed to peers that copy a state)"""
+        self.on_hold: Callable[[int, float], None] | None = None
+        """told ``(fragment, seconds)`` while a sync waits with patience for peers due at
+        its slot, and ``(fragment, 0)`` when its matchmaking ends (the trainer waits
+        meanwhile; see :func:`~atoll.node.net.rounds.run_matchmaking`)"""
 
     async def engine_call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (engine work) in a thread under :attr:`lock`."""
@@ -568,6 +572,7 @@ class Syncer:
             expected=functools.partial(self.peers.expected, me.fragment, me.version),
             banned=self._banned if self.strikes is not None else None,
             outdated=outdated,
+            hold=None if self.on_hold is None else functools.partial(self.on_hold, me.fragment),
         )
 
     async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:

@@ -112,6 +112,35 @@ def test_wait_times_out_then_poll_gets_the_outcome(shared: SharedFragments) -> N
         assert not bridge.in_flight(1)
 
 
+def test_a_hold_keeps_the_trainer_waiting_until_the_outcome(shared: SharedFragments) -> None:
+    # the sync waits for peers due at its slot: the trainer waits past its own bound
+    with _bridge(shared, delay_s=1.5, hold_s=30.0) as bridge:
+        shared.local(1)[:] = shared.global_(1) + 0.1
+        bridge.start_sync(1, 5, 100)
+        t0 = time.monotonic()
+        got = bridge.wait(1, 0.2)
+        waited = time.monotonic() - t0
+        assert got == SyncOutcome(1, 5, True, 0), got
+        assert 1.4 <= waited < 20.0, waited
+        assert (bridge.stats.held, bridge.stats.skipped) == (1, 0)
+        # the next sync is not held by the last one's hold: a new start clears it
+        bridge.start_sync(1, 17, 200)
+        assert bridge.wait(1, 20.0) == SyncOutcome(1, 17, True, 1)
+        assert bridge.stats.held == 1
+
+
+def test_a_released_hold_lets_the_trainer_go_on(shared: SharedFragments) -> None:
+    with _bridge(shared, delay_s=3.0, hold_s=30.0, release_after_s=1.0) as bridge:
+        shared.local(0)[:] = shared.global_(0) + 0.1
+        bridge.start_sync(0, 3, 100)
+        t0 = time.monotonic()
+        assert bridge.wait(0, 0.2) is None  # released before the outcome came
+        waited = time.monotonic() - t0
+        assert 0.9 <= waited < 3.0 + 10.0, waited
+        assert (bridge.stats.held, bridge.stats.skipped) == (1, 1)
+        assert bridge.wait(0, 30.0) == SyncOutcome(0, 3, True, 0)  # it still comes
+
+
 def test_failures_are_reported_and_change_nothing(shared: SharedFragments) -> None:
     with _bridge(shared, fail_every=2) as bridge:
         shared.local(0)[:] = shared.global_(0) - 0.05

@@ -405,7 +405,8 @@ def test_two_groups_in_one_slot_each_commit_their_own_average_then_converge() ->
 def test_a_node_ahead_of_the_others_waits_for_them_and_rounds_with_them() -> None:
     """One node reaches the slot 8 s before the others, longer than the matchmaking
     timeout (a node that trained alone through a cut link runs ahead): their records show
-    them due at the slot, so it waits (the patience) and all three round together."""
+    them due at the slot, so it waits (the patience) and all three round together. It
+    holds its trainer meanwhile (``on_hold``), and releases it when the group formed."""
 
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
@@ -413,6 +414,13 @@ def test_a_node_ahead_of_the_others_waits_for_them_and_rounds_with_them() -> Non
             start = nodes[0].state()
             locals_ = _locals(3)
             early_s = TIMEOUTS.matchmaking_s + 2.0
+            holds: list[tuple[int, float, float]] = []
+
+            def on_hold(p: int, seconds: float) -> None:
+                holds.append((p, seconds, trio.current_time()))
+
+            nodes[0].syncer.on_hold = on_hold
+            t0 = trio.current_time()
 
             async def late(node: Node, local: np.ndarray) -> None:
                 await trio.sleep(early_s)
@@ -429,6 +437,12 @@ def test_a_node_ahead_of_the_others_waits_for_them_and_rounds_with_them() -> Non
                 assert len(node.report.done.members) == 3
             assert nodes[0].report is not None
             assert nodes[0].report.seconds > TIMEOUTS.matchmaking_s  # it waited past it
+            # held from its first view of the slot (the others were due, not there) up to
+            # its extended deadline; released when its group formed, after they came
+            (p, asked, at), (_, released, end) = holds
+            assert p == 0 and at - t0 < TIMEOUTS.matchmaking_s
+            assert at + asked >= t0 + 2 * TIMEOUTS.matchmaking_s - 1.0, holds
+            assert released == 0.0 and t0 + early_s <= end < at + asked, holds
             services.cancel_scope.cancel()
 
     _run(main)
