@@ -283,8 +283,12 @@ def _train(
     run = _Run(start=start, end=start + cfg.steps if cfg.steps else manifest.total_steps)
     jump_to = 0  # a rebase found the swarm at this step (0: no jump)
     last_report = time.monotonic()
+    # a lag within one sync interval is left alone: the peers due at a slot wait for this
+    # node there (matchmaking's patience holds their trainers), and a jump to the serving
+    # peer's step (the fastest peer's, often) would have it arrive first at the next slot
+    lag_allowed = schedule.H // schedule.fragments
     while run.step < run.end and not stop.by:
-        if jump_to > run.step:
+        if jump_to > run.step + lag_allowed:
             run.jump(jump_to, extend=bool(cfg.steps))
         jump_to = 0
         run.losses.append(rep.train_step(run.step))
