@@ -115,10 +115,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DIED = "network process died"
-MAX_HOLD_S = 120.0
-"""the longest a hold keeps the trainer waiting for one outcome (the network process
-asks for at most its matchmaking deadline; this bounds a faulty one)"""
 """the reason of the outcomes of rounds in flight when the network process exits"""
+MAX_HOLD_S = 120.0
+"""the longest a hold keeps the trainer waiting (the network process asks for at most
+its matchmaking deadline; this bounds a faulty one)"""
 _MAX_MESSAGE = 1 << 16  # commands are tiny; anything larger is a bug
 _F32 = np.dtype(np.float32)
 
@@ -623,7 +623,7 @@ class NetworkBridge:
                 if fragment in self._finished:
                     return self._finished.pop(fragment)
                 now = time.monotonic()
-                deadline = max(asked, min(self._holds.get(fragment, 0.0), t0 + MAX_HOLD_S))
+                deadline = max(asked, self._holds.get(fragment, 0.0))  # capped when set
                 if deadline > asked and not held:
                     held = True
                     log.info(

@@ -577,7 +577,8 @@ async def run_matchmaking(
     finally:
         stop.set()
         mailbox.close(key)
-        if holding and hold is not None:
+        if holding:
+            assert hold is not None
             hold(0.0)
     return outcome
 

@@ -201,9 +201,9 @@ class _Node:
                 if attack is not None
                 else None
             ),
+            # a node ahead of its peers waits for them at the slot (NetworkBridge.wait)
+            on_hold=functools.partial(post_hold, outbox),
         )
-        # a node ahead of its peers waits for them at the slot (see NetworkBridge.wait)
-        self.syncer.on_hold = functools.partial(post_hold, outbox)
         self.evidence = EvidenceExchange(
             dht,
             peer_id=host.peer_id,

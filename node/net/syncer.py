@@ -184,6 +184,7 @@ class Syncer:
         signer: AttestationSigner | None = None,
         opener: AttestationVerifier | None = None,
         tamper_reduced: Callable[[bytes], bytes] | None = None,
+        on_hold: Callable[[int, float], None] | None = None,
     ) -> None:
         self.signer = signer
         self.opener = opener
@@ -230,7 +231,7 @@ class Syncer:
         """one engine call at a time"""
         self.step = 0
         """the newest inner step this node reported (handed to peers that copy a state)"""
-        self.on_hold: Callable[[int, float], None] | None = None
+        self.on_hold = on_hold
         """told ``(fragment, seconds)`` while a sync waits with patience for peers due at
         its slot, and ``(fragment, 0)`` when its matchmaking ends (the trainer waits
         meanwhile; see :func:`~atoll.node.net.rounds.run_matchmaking`)"""
