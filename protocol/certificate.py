@@ -26,7 +26,9 @@ injected, :mod:`atoll.security` provides it and the node wires it):
   per peer and fragment, and reports its declarer (``on_uncertified``) once the claim
   had time to be certified (``grace_s``), however far ahead it is: after a split heals,
   the other side may be several versions ahead with certificates this node has not
-  found yet, and an honest peer must not be reported for that.
+  found yet, and an honest peer must not be reported for that. A claim more than
+  ``max_lead`` versions past everything believed (more outer steps than a whole run has)
+  is no split's work: it is reported at once.
 - :class:`AttestationRequest` / :class:`AttestationReply` (kinds 41 and 42): a node asks
   a peer that declares a state for the seals it holds of it (its own attestation, and
   those of a certificate it checked), besides looking them up in the DHT. A reply is
@@ -396,7 +398,11 @@ class CertifiedStates:
     unknown (then no version 0 other than this node's own is believed). ``quorum`` is the
     manifest's ``group.min_quorum``. ``grace_s`` is how long a declared state may wait for
     its certificate (its members publish their attestations after the commit) before its
-    declarer is reported; ``retry_s`` how long a failed lookup is not repeated.
+    declarer is reported; ``max_lead`` (None: no bound) how many versions past everything
+    believed a claim may be and still wait out its grace (a run of ``total_steps`` inner
+    steps syncs each fragment ``total_steps / H`` times, so a claim further ahead than
+    that is impossible for any honest peer and is reported at once); ``retry_s`` how long
+    a failed lookup is not repeated.
     Times are the caller's monotonic clock.
     """
 
@@ -410,6 +416,7 @@ class CertifiedStates:
         admit: Callable[[str], bool] | None = None,
         on_uncertified: OnUncertified | None = None,
         grace_s: float = 30.0,
+        max_lead: int | None = None,
         retry_s: float = 5.0,
         max_cached: int = 4096,
     ) -> None:
@@ -421,7 +428,10 @@ class CertifiedStates:
         self.seeds = list(seeds)
         self.admit = admit
         self.on_uncertified = on_uncertified
+        if max_lead is not None and max_lead < 1:
+            raise ConfigError(f"max_lead is >= 1 versions, not {max_lead}")
         self.grace_s = grace_s
+        self.max_lead = max_lead
         self.retry_s = retry_s
         self.max_cached = max_cached
         self._certs: OrderedDict[State, Certificate] = OrderedDict()
@@ -589,8 +599,9 @@ class CertifiedStates:
             )
         if key in self._reported:
             return
-        if now - first >= self.grace_s:
-            reach = max(self.top(fragment), mine[0] if mine is not None else 0) + 1
+        reach = max(self.top(fragment), mine[0] if mine is not None else 0) + 1
+        impossible = self.max_lead is not None and version > reach + self.max_lead
+        if now - first >= self.grace_s or impossible:
             self._reported.add(key)
             log.warning(
                 "peer %s declares fragment %d version %d (%s) without a certificate%s",

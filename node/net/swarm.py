@@ -80,6 +80,7 @@ from atoll.node.net.publisher import (
     RecordPublisher,
 )
 from atoll.node.net.rounds import Mailbox
+from atoll.node.net.settle import SettleView, settle_verdict
 from atoll.node.net.status import NodeStatus
 from atoll.node.net.syncer import FaultHook, Syncer
 from atoll.node.net.tally import SyncTally
@@ -151,6 +152,8 @@ class _Node:
             on_uncertified=self._uncertified,
             # a round's members publish their attestations within about one round
             grace_s=timeouts.matchmaking_s + timeouts.round_s,
+            # more syncs of a fragment than a whole run has: no split's work, a forgery
+            max_lead=max(1, -(-manifest.total_steps // manifest.H)),
         )
         self.peers = PeerTracker(
             host.peer_id,
@@ -292,13 +295,11 @@ class _Node:
     async def settle(self, timeout_s: float) -> Settled:
         """At the end of a run: rebase every fragment whose copy is not the one the
         peers that answer follow, until all of them hold this node's copy of every
-        fragment (or ``timeout_s`` passes).
+        fragment and none still trains (or ``timeout_s`` passes).
 
         The node first publishes that it no longer trains (it stops counting toward
         quorums). Nodes that finish together all run this, so they end on one global
-        copy. Peers still training are waited for one sync's time (matchmaking and a
-        round: their last sync may still change the copy, even when their records agree
-        now); after that the node settles with the peers that finished, and says so.
+        copy; when to stop is :func:`~atoll.node.net.settle.settle_verdict`'s rule.
         """
         start = trio.current_time()
         deadline = start + timeout_s
@@ -306,52 +307,41 @@ class _Node:
         self.training = False
         await self.publisher.publish_once()
         rebased = 0
-        differ: list[str] = []
-        with trio.move_on_at(deadline):
-            while True:
+        while True:
+            at_end = trio.current_time() >= deadline
+            with trio.move_on_at(deadline):
                 await self.peers.refresh()
                 for p in range(len(self.shared)):
                     done = await self.syncer.catch_up(p)
                     if done.rebased:
                         rebased += 1
                         self.tally.caught_up()
-                published = await self.publisher.publish_if_changed()
-                differ = self._disagreeing()
-                answering = self.peers.responsive()
-                training = [p for p in answering if self.peers.live[p].training]
-                finished = [p for p in differ if p not in training]
-                patient = trio.current_time() - start <= patience
-                if not self.peers.live:
-                    return Settled(True, "no other peer in the run")
-                if published and answering and not differ and not training:
-                    detail = f"{len(answering)} peers hold this node's copy of every fragment"
-                    return Settled(True, f"{detail} ({rebased} fragments rebased)")
-                if published and answering and not finished and not patient:
-                    return Settled(
-                        True,
-                        f"the {len(answering) - len(training)} peers that finished hold this"
-                        f" node's copy ({rebased} fragments rebased); {len(training)} peers"
-                        " still train on",
-                    )
-                if not answering and not patient:
-                    # the others may have settled and left first: their last records
-                    # (published as they finished) still say which copy they ended on
-                    gone = [
-                        p
-                        for p, r in self.peers.live.items()
-                        if not r.training and not self.beliefs.reported(p)
-                    ]
-                    if published and gone and not self._disagreeing(gone):
-                        return Settled(
-                            True,
-                            f"the {len(gone)} peers that finished before this node hold its"
-                            f" copy by their last records ({rebased} fragments rebased)",
-                        )
-                    return Settled(False, "no peer of the run answered: nothing to agree with")
-                await trio.sleep(1.0)
-        short = ", ".join(p[-6:] for p in differ) or "none"
-        return Settled(
-            False, f"after {timeout_s:.0f} s, peers on other copies: {short} ({rebased} rebased)"
+            published = await self.publisher.publish_if_changed()
+            verdict = settle_verdict(
+                self._settle_view(published, rebased),
+                waited_s=trio.current_time() - start,
+                patience_s=patience,
+                at_end=at_end,
+            )
+            if verdict is not None:
+                return verdict
+            await trio.sleep(max(0.0, min(1.0, deadline - trio.current_time())))
+
+    def _settle_view(self, published: bool, rebased: int) -> SettleView:
+        answering = self.peers.responsive()
+        gone = [
+            p
+            for p, r in self.peers.live.items()
+            if p not in answering and not r.training and not self.beliefs.reported(p)
+        ]
+        return SettleView(
+            published=published,
+            known=len(self.peers.live),
+            answering=len(answering),
+            differ=tuple(self._disagreeing()),
+            training=tuple(p for p in answering if self.peers.live[p].training),
+            gone_agree=len(gone) if gone and not self._disagreeing(gone) else 0,
+            rebased=rebased,
         )
 
     def _disagreeing(self, peers: list[str] | None = None) -> list[str]:

@@ -25,7 +25,7 @@ from atoll.protocol.certificate import (
     seal_attestation,
 )
 from atoll.protocol.engine import EngineConfig, OuterEngine
-from atoll.protocol.errors import CodecError
+from atoll.protocol.errors import CodecError, ConfigError
 from atoll.protocol.schedule import Schedule
 from atoll.security.identity import Identity, generate
 
@@ -211,6 +211,22 @@ def test_uncertified_declarations_are_ignored_and_reported_once() -> None:
     assert reported == [("liar", 0, HUGE), ("a", 0, 1)]
     b.believed(0, holdings, now=99.0, mine=(0, D0))
     assert len(reported) == 2 and b.reported("liar") and not b.reported("b")
+
+
+def test_a_claim_further_ahead_than_a_whole_run_is_reported_at_once() -> None:
+    """Within a run's number of syncs a claim waits out its grace (a healed split's other
+    side); further ahead, no honest peer can be: reported on first sight."""
+    reported: list[tuple[str, int, int]] = []
+    b = beliefs(reported, max_lead=10)
+    mine = (3, D1)
+    b.believed(0, [("ahead", 14, "2" * 32), ("liar", HUGE, "f" * 32)], now=0.0, mine=mine)
+    assert reported == [("liar", 0, HUGE)]  # 14 <= 3 + 1 + 10: waits for its grace
+    b.believed(0, [("ahead", 14, "2" * 32), ("liar", HUGE, "f" * 32)], now=31.0, mine=mine)
+    assert reported == [("liar", 0, HUGE), ("ahead", 0, 14)]
+    b.believed(0, [("edge", 15, "3" * 32)], now=32.0, mine=mine)
+    assert ("edge", 0, 15) in reported
+    with pytest.raises(ConfigError):
+        beliefs(max_lead=0)
 
 
 def test_to_check_prefers_held_states_and_skips_what_cannot_lead() -> None:
