@@ -71,6 +71,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointStore",
     "Loaded",
+    "load_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -243,6 +244,19 @@ def _load(info: CheckpointInfo) -> Loaded | str:
             f"{record['tensors_count']}"
         )
     return Loaded(info.path, info.sequence, tensors, record["meta"], float(record["saved_at"]))
+
+
+def load_checkpoint(folder: Path | str) -> Loaded:
+    """The checkpoint in ``folder`` (one ``ckpt-NNNNNN`` folder a store wrote), verified;
+    :class:`CheckpointError` saying why when it does not verify."""
+    path = Path(folder)
+    m = _FINAL.fullmatch(path.name)
+    if m is None:
+        raise CheckpointError(f"{path} is not a checkpoint folder (ckpt-NNNNNN)")
+    loaded = _load(CheckpointInfo(int(m.group(1)), path))
+    if isinstance(loaded, str):
+        raise CheckpointError(f"checkpoint {path} does not verify: {loaded}")
+    return loaded
 
 
 def _as_array(name: str, value: object) -> npt.NDArray[Any]:

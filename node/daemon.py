@@ -41,14 +41,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 
+from atoll.node.checkpoint import CheckpointStore
 from atoll.node.data import Batcher, load_corpus
 from atoll.node.model import build, tensor_specs
 from atoll.node.net.bridge import NetworkBridge, Settled, SharedFragments, SyncOutcome
 from atoll.node.net.status import NodeStatus
 from atoll.node.settings import NodeConfig
-from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, resolve_device
+from atoll.node.snapshot import NodeCheckpoints, ResumePoint, restore_trainer, resume_point
+from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, lr_at, resolve_device
 from atoll.protocol.engine import merge
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import plan_fragments
@@ -64,6 +67,9 @@ __all__ = ["NodeSummary", "run_node"]
 logger = logging.getLogger(__name__)
 
 WORKER = "atoll.node.net.swarm:swarm_worker"
+STOP_WAIT_S = 1.0
+"""how long a stopped node waits for its rounds in flight, and for the engine's part of
+its last checkpoint, before it leaves (it is gone within about 5 s of Ctrl+C)"""
 
 
 @dataclass
@@ -101,6 +107,11 @@ class NodeSummary:
     settled: bool = False
     """every peer that answered held this node's global copy when it stopped"""
     settle_detail: str = ""
+    checkpoint: dict[str, Any] = field(default_factory=dict)
+    """the checkpoint it resumed from (``resumed``, ``resumed_step``, ``fetched``: the
+    fragments the swarm had moved past, copied at start), the checkpoints written
+    (``saved``, ``failed``, ``last``) and how long each save stopped training
+    (``stall_max_s``, ``stall_mean_s``)"""
     info: dict[str, Any] = field(default_factory=dict)
     """the network process's last :class:`~atoll.node.net.status.NodeStatus` (as_dict)"""
 
@@ -208,10 +219,27 @@ def run_node(
         )
         rep = Replica(model, inner, batcher, _peer_number(identity.peer_id), device)
         n_params = sum(p.numel() for p in model.parameters())
+        store = CheckpointStore(
+            cfg.checkpoint_folder(run_id, identity.peer_id), keep=cfg.checkpoint_keep
+        )
+        resumed = None
+        if cfg.resume:
+            resumed = resume_point(
+                store, run_id=run_id, peer_id=identity.peer_id, fragments=len(plan)
+            )
+        if resumed is not None:
+            restore_trainer(rep.model, rep.optimizer, resumed.loaded.tensors)
+            logger.info("%s", resumed.describe())
         shared = SharedFragments.create([views.numel(p) for p in range(len(plan))])
+        ckpts = NodeCheckpoints(
+            store,
+            every_s=cfg.checkpoint_every_s,
+            identity={"run_id": run_id, "peer_id": identity.peer_id, "model": manifest.model},
+        )
         try:
+            seeds = resumed.engine_globals() if resumed is not None else None
             for p in range(len(plan)):
-                shared.global_(p)[:] = views.get(p)
+                shared.global_(p)[:] = views.get(p) if seeds is None else seeds[p]
             args = {
                 "manifest": manifest,
                 "identity_file": str(identity_path),
@@ -223,6 +251,7 @@ def run_node(
                 "fault": cfg.fault,
                 "attack": cfg.attack,
                 "cert_file": cfg.cert,
+                "resume": str(resumed.path) if resumed is not None else "",
             }
             with (
                 stop.installed(),
@@ -244,8 +273,11 @@ def run_node(
                     run_id=run_id,
                     seq_len=seq_len,
                     on_start=on_start,
+                    resumed=resumed,
+                    ckpts=ckpts,
                 )
         finally:
+            ckpts.close()
             shared.close()
             shared.unlink()
     finally:
@@ -267,12 +299,34 @@ def _train(
     n_params: int,
     run_id: str,
     seq_len: int,
+    resumed: ResumePoint | None = None,
+    ckpts: NodeCheckpoints | None = None,
 ) -> NodeSummary:
     status = bridge.status
     start = status.start_step
-    # the swarm's global copies (the seed's, or a peer's after a catch-up) start training
+    # the swarm's global copies (the seed's, or a peer's after a catch-up) start training;
+    # a resumed node keeps its own weights where its global copy is still the swarm's
+    kept = resumed.engine_globals() if resumed is not None else None
+    fetched = []
     for p in range(len(shared)):
-        views.set(p, shared.global_(p))
+        if kept is None or not np.array_equal(shared.global_(p), kept[p]):
+            views.set(p, shared.global_(p))
+            fetched.append(p)
+    resume_info: dict[str, Any] = {}
+    if resumed is not None:
+        start = max(start, resumed.step)
+        resume_info = {
+            "resumed": str(resumed.path),
+            "resumed_step": resumed.step,
+            "fetched": fetched,
+        }
+        logger.info(
+            "resumed at step %d; %s",
+            resumed.step,
+            f"copied fragments {fetched} from the swarm (it had moved past them)"
+            if fetched
+            else "every fragment was still the swarm's copy: nothing fetched",
+        )
     logger.info("peer %s trains from step %d", status.peer_id, start)
     if on_start is not None:
         on_start(status.as_dict())
@@ -281,6 +335,11 @@ def _train(
         schedule, exchange, tau=manifest.tau, apply_wait_s=manifest.timeouts.apply_wait_s
     )
     run = _Run(start=start, end=start + cfg.steps if cfg.steps else manifest.total_steps)
+    base_tokens = resumed.tokens if resumed is not None else 0
+
+    def ckpt_meta() -> dict[str, Any]:
+        return {"lr": lr_at(run.step, rep.inner), "start_step": run.start}
+
     jump_to = 0  # a rebase found the swarm at this step (0: no jump)
     last_report = time.monotonic()
     # a lag within one sync interval is left alone: the peers due at a slot wait for this
@@ -299,6 +358,17 @@ def _train(
                 jump_to = max(jump_to, bridge.status.swarm_step)
         run.step += 1
         bridge.note_step(run.step)  # peers that copy a state from here start at this step
+        if ckpts is not None:
+            quiet = not loop.pending and not any(bridge.in_flight(p) for p in range(len(shared)))
+            ckpts.poll(
+                bridge,
+                rep.model,
+                rep.optimizer,
+                step=run.step,
+                tokens=base_tokens + run.tokens,
+                quiet=quiet,
+                meta=ckpt_meta,
+            )
         if progress and (
             run.step % cfg.log_every == 0
             or run.step == run.end
@@ -306,7 +376,13 @@ def _train(
         ):
             last_report = time.monotonic()
             progress(run.progress(rep, bridge, cfg.log_every))
-    loop.finish()  # the rounds still in flight finish (bounded) so the last results merge
+    if stop.by:
+        # leaving: the rounds in flight get a moment to finish, then are abandoned (each
+        # aborts as a whole, here and at its peers); the node is gone within seconds
+        bridge.release_holds()
+        loop.finish(wait_s=STOP_WAIT_S / max(1, len(loop.pending)))
+    else:
+        loop.finish()  # the rounds still in flight finish (bounded) so the last results merge
     wall = time.perf_counter() - run.t0
     if stop.by:
         settled = Settled(False, f"stopped by {stop.by}: not settled")
@@ -315,7 +391,24 @@ def _train(
         settled = bridge.settle(settle_timeout_s(manifest.timeouts))
         log = logger.info if settled.agreed else logger.warning
         log("end of run: %s", settled.detail)
+    if ckpts is not None:
+        # what the node holds now: a settled copy at the end of a run, or the state a
+        # stopped node resumes from
+        for outcome in bridge.poll():  # a late result that came meanwhile is merged first
+            if outcome.applied:
+                exchange.merge(outcome.fragment)
+        ckpts.final(
+            bridge,
+            rep.model,
+            rep.optimizer,
+            step=run.step,
+            tokens=base_tokens + run.tokens,
+            meta=ckpt_meta(),
+            timeout_s=STOP_WAIT_S if stop.by else 60.0,
+        )
     final = bridge.refresh(1.5)
+    if stop.by:
+        bridge.close()  # withdraws this node from the swarm's groups before the last eval
     eval_loss: float | None = None
     if cfg.eval_batches:
         eval_loss = evaluate(rep.model, rep.batcher.val_batches(cfg.eval_batches, 16), rep.device)
@@ -333,7 +426,22 @@ def _train(
         global_digest=_digest(shared),
         log_every=cfg.log_every,
         settled=settled,
+        checkpoint=_checkpoint_info(resume_info, ckpts),
     )
+
+
+def _checkpoint_info(resume_info: dict[str, Any], ckpts: NodeCheckpoints | None) -> dict[str, Any]:
+    out = dict(resume_info)
+    if ckpts is not None:
+        stalls = ckpts.stats.stalls
+        out.update(
+            saved=ckpts.stats.saved,
+            failed=ckpts.stats.failed,
+            last=ckpts.stats.last_path,
+            stall_max_s=max(stalls, default=0.0),
+            stall_mean_s=sum(stalls) / len(stalls) if stalls else 0.0,
+        )
+    return out
 
 
 class _BridgeExchange:
@@ -433,6 +541,7 @@ class _Run:
         global_digest: str,
         log_every: int,
         settled: Settled,
+        checkpoint: dict[str, Any],
     ) -> NodeSummary:
         """What the node reports when it stops, from the network process's last status."""
         done = len(self.losses)  # steps trained (jumps excluded)
@@ -464,6 +573,7 @@ class _Run:
             global_digest=global_digest,
             settled=settled.agreed,
             settle_detail=settled.detail,
+            checkpoint=checkpoint,
             info=status.as_dict(),
         )
 

@@ -243,12 +243,27 @@ class NodeConfig:
     """attack injection for benchmarks and tests (nan, huge, signflip, scaled:K, noise,
     alie, weight:K, stale, forge, equivocate; usually from ATOLL_ATTACK): this node lies
     on purpose (atoll.node.net.attacks)"""
+    checkpoint_dir: str = ""
+    """where this node keeps its checkpoints (default: checkpoints/<run>/<peer> next to
+    the identity file)"""
+    checkpoint_every_s: float = 300.0
+    """write a checkpoint every this many seconds while training (0: only when the node
+    stops); one is always written when it stops"""
+    checkpoint_keep: int = 3
+    """how many checkpoints to keep (older ones are removed)"""
+    resume: bool = True
+    """resume from the newest checkpoint in checkpoint_dir (--no-resume: start afresh,
+    the checkpoints stay)"""
 
     def __post_init__(self) -> None:
         if not self.run.strip():
             raise ConfigError("a node needs --run MANIFEST.toml (the run to train in)")
         if self.steps < 0 or self.log_every < 1 or self.eval_batches < 0:
             raise ConfigError("steps and eval_batches must be >= 0, log_every >= 1")
+        if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0):
+            raise ConfigError(f"checkpoint_every_s must be >= 0, not {self.checkpoint_every_s}")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"checkpoint_keep must be >= 1, not {self.checkpoint_keep}")
         if not (math.isfinite(self.join_timeout_s) and self.join_timeout_s > 0):
             raise ConfigError(f"join_timeout_s must be > 0, not {self.join_timeout_s}")
         if self.progress not in PROGRESS_MODES:
@@ -258,6 +273,13 @@ class NodeConfig:
         from atoll.node.net.attacks import parse_attack  # checked here, used by the worker
 
         parse_attack(self.attack)
+
+    def checkpoint_folder(self, run_id: str, peer_id: str) -> Path:
+        """Where this node's checkpoints of run ``run_id`` go."""
+        if self.checkpoint_dir.strip():
+            return Path(self.checkpoint_dir).expanduser()
+        base = Path(self.identity).expanduser().parent
+        return base / "checkpoints" / run_id[:16] / peer_id[-16:]
 
     def join_addrs(self) -> tuple[str, ...]:
         """``join`` split at commas, blanks dropped."""

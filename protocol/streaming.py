@@ -154,12 +154,14 @@ class StreamingLoop:
                 self._await(p, step, taken)
         return taken
 
-    def finish(self) -> list[SyncOutcome]:
+    def finish(self, wait_s: float | None = None) -> list[SyncOutcome]:
         """After the last step: await every sync still in flight (each at most
-        ``apply_wait_s``) and merge the applied ones; the outcomes taken."""
+        ``apply_wait_s``, or ``wait_s`` when given: a node that is stopped leaves within
+        seconds) and merge the applied ones; the outcomes taken."""
         taken: list[SyncOutcome] = []
+        each = self.apply_wait_s if wait_s is None else max(0.0, wait_s)
         for p in list(self._apply_at):
-            got = self.exchange.wait(p, self.apply_wait_s)
+            got = self.exchange.wait(p, each)
             self._apply_at.pop(p)
             if got is None:
                 self.stats.unfinished += 1

@@ -43,6 +43,8 @@ copies to and from shared memory); :class:`SyncOutcome` is the loop's.
 Commands (msgpack arrays)::
 
     trainer -> network   ["start", fragment, step, tokens]   ["shutdown"]
+                         ["snapshot", path]   (copy the engine's state for a checkpoint
+                                               and write it to path)
     network -> trainer   ["ready"]   ["outcome", fragment, step, applied, round, reason]
                          ["hold", fragment, seconds]   (the sync waits for peers due
                                                         at its slot; 0 releases)
@@ -50,6 +52,8 @@ Commands (msgpack arrays)::
                                                        becomes NetworkBridge.status)
                          ["info", {field: value}]   (the older partial form: the fields
                                                      it names update NetworkBridge.status)
+                         ["snapshot", path, ok, detail, scalars]   (the answer: the
+                                               engine's arrays are in path)
                          ["error", text]   (the worker failed; the process then exits)
 
 Errors (added to the tree of :mod:`atoll.protocol.errors`)::
@@ -106,6 +110,7 @@ __all__ = [
     "NetworkStartError",
     "Settled",
     "SharedFragments",
+    "SnapshotReply",
     "SyncOutcome",
     "local_engine_worker",
     "post_status",
@@ -299,6 +304,22 @@ SettleHandler = Callable[[float], Awaitable[Settled]]
 StepHandler = Callable[[int], None]
 """``on_step(step)``: the trainer's current inner step (network side)."""
 
+SnapshotHandler = Callable[[str], Awaitable[Callable[[], dict[str, Any]]]]
+"""``await snapshot(path)`` copies the engine's state (under the engine's lock; the
+command loop reads no further command meanwhile, so no later sync changes it) and
+returns the writer, run off the event loop, that writes the copy to ``path`` and returns
+its scalars (network side)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotReply:
+    """The network process's answer to a snapshot request (trainer side)."""
+
+    ok: bool
+    detail: str
+    meta: dict[str, Any]
+    """the engine's scalars (:func:`atoll.node.snapshot.engine_arrays`) when ``ok``"""
+
 
 async def _receive(inbox: Connection) -> list[Any] | None:
     """The next command, without blocking the loop; None when the trainer's end closed."""
@@ -320,6 +341,7 @@ async def serve(
     handler: Handler,
     settle: SettleHandler | None = None,
     on_step: StepHandler | None = None,
+    snapshot: SnapshotHandler | None = None,
 ) -> None:
     """Run the bridge's command loop until ``shutdown`` or until the trainer goes away.
 
@@ -330,7 +352,9 @@ async def serve(
     ``settle`` (a ``["settle", timeout_s]`` command, at the end of a run) first waits for
     the syncs in flight, then runs ``settle(time left)`` and answers ``["settled",
     agreed, detail]``; without a handler the answer is agreed at once. ``["step", n]``
-    (the trainer's current step, now and then) goes to ``on_step``.
+    (the trainer's current step, now and then) goes to ``on_step``. ``["snapshot",
+    path]`` copies the engine's state through ``snapshot`` before the next command is
+    read, writes it in a thread and answers ``["snapshot", path, ok, detail, scalars]``.
     """
     in_flight: set[int] = set()
     idle = trio.Event()  # set whenever no sync is in flight
@@ -370,6 +394,14 @@ async def serve(
                 result = Settled(False, f"{type(e).__name__}: {e}")
         send(["settled", result.agreed, result.detail])
 
+    async def run_snapshot(path: str, write: Callable[[], dict[str, Any]]) -> None:
+        try:
+            meta = await trio.to_thread.run_sync(write)
+        except Exception as e:  # a full disk, a bug: the trainer logs it, training goes on
+            send(["snapshot", path, False, f"{type(e).__name__}: {e}", {}])
+            return
+        send(["snapshot", path, True, "", meta])
+
     async with trio.open_nursery() as nursery:
 
         async def watch_gone() -> None:
@@ -399,6 +431,17 @@ async def serve(
             elif msg[0] == "step" and len(msg) == 2:
                 if on_step is not None:
                     on_step(int(msg[1]))
+            elif msg[0] == "snapshot" and len(msg) == 2:
+                path = str(msg[1])
+                if snapshot is None:
+                    send(["snapshot", path, False, "this worker keeps no engine state", {}])
+                    continue
+                try:
+                    write = await snapshot(path)  # the copy, before any later command
+                except Exception as e:
+                    send(["snapshot", path, False, f"{type(e).__name__}: {e}", {}])
+                    continue
+                nursery.start_soon(run_snapshot, path, write)
             else:
                 log.warning("unknown bridge command %r", msg[:1])
         nursery.cancel_scope.cancel()
@@ -472,6 +515,7 @@ class NetworkBridge:
         self._dead: str | None = None
         self._closed = False
         self._settled: Settled | None = None
+        self._snapshots: dict[str, SnapshotReply | None] = {}  # asked -> answer (None: not yet)
         self._step_sent_at = -float("inf")
         self.status = NodeStatus()
         """the latest status the network process sent (peer id, peers, bytes, rounds)"""
@@ -644,6 +688,10 @@ class NetworkBridge:
             self.stats.wait_s += end - t0
             self.stats.held += held and end > asked
 
+    def release_holds(self) -> None:
+        """Forget every hold: the trainer is stopping and waits no longer than it asks."""
+        self._holds.clear()
+
     def settle(self, timeout_s: float) -> Settled:
         """At the end of a run: have the network process bring every fragment onto the
         swarm's copy (its syncs in flight end first; then a rebase where the peers hold
@@ -667,6 +715,49 @@ class NetworkBridge:
         if self._settled is None:
             return Settled(False, f"the network process died: {self._dead}")
         return self._settled
+
+    def request_snapshot(self, path: str) -> None:
+        """Ask the network process to copy the engine's state and write it to ``path``
+        (for a checkpoint); never blocks. The engine is copied before any command sent
+        after this one runs. :meth:`snapshot_reply` gives the answer."""
+        self._check_usable()
+        try:
+            _send(self._cmd, ["snapshot", str(path)])
+        except OSError:
+            self._mark_dead("its command pipe broke")
+            self._check_usable()
+        self._snapshots[str(path)] = None
+
+    def snapshot_reply(self, path: str) -> SnapshotReply | None:
+        """The answer to :meth:`request_snapshot` of ``path`` once it came (handed out
+        once), None before; a failed answer when the network process died."""
+        if self._closed:
+            return SnapshotReply(False, "the bridge is closed", {})
+        self._drain(0.0)
+        if self._dead is not None and self._snapshots.get(path) is None:
+            self._snapshots.pop(path, None)
+            return SnapshotReply(False, f"the network process died: {self._dead}", {})
+        reply = self._snapshots.get(path)
+        if reply is not None:
+            del self._snapshots[path]
+        return reply
+
+    def snapshot(self, path: str, timeout_s: float) -> SnapshotReply:
+        """:meth:`request_snapshot` and wait for its answer, at most ``timeout_s``."""
+        try:
+            self.request_snapshot(path)
+        except NetworkProcessError as e:
+            return SnapshotReply(False, str(e), {})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self.snapshot_reply(path)
+            if reply is not None:
+                return reply
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._snapshots.pop(path, None)
+                return SnapshotReply(False, f"no answer within {timeout_s:.1f} s", {})
+            self._drain(left)
 
     def refresh(self, timeout_s: float = 0.0) -> NodeStatus:
         """Read what the network process sent (waiting up to ``timeout_s`` for a first
@@ -779,6 +870,11 @@ class NetworkBridge:
                 self._holds.pop(p, None)
         elif kind == "settled" and len(msg) == 3:
             self._settled = Settled(bool(msg[1]), str(msg[2]))
+        elif kind == "snapshot" and len(msg) == 5:
+            path = str(msg[1])
+            if path in self._snapshots:
+                meta = msg[4] if isinstance(msg[4], dict) else {}
+                self._snapshots[path] = SnapshotReply(bool(msg[2]), str(msg[3]), meta)
         elif kind == "error":
             self._mark_dead(f"worker failed: {msg[1] if len(msg) > 1 else '?'}")
         else:

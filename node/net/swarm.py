@@ -47,11 +47,13 @@ swarm's.
 
 from __future__ import annotations
 
+import base64
 import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from typing import Any
 
 import trio
 
@@ -85,6 +87,7 @@ from atoll.node.net.status import NodeStatus
 from atoll.node.net.syncer import FaultHook, Syncer
 from atoll.node.net.tally import SyncTally
 from atoll.node.settings import load_membership
+from atoll.node.snapshot import load_engine_part, write_engine_file
 from atoll.protocol.certificate import CertifiedStates
 from atoll.protocol.codecs import make_codec
 from atoll.protocol.engine import OuterEngine
@@ -367,6 +370,50 @@ class _Node:
         (a rebase may keep the version and change the copy)."""
         return (*self._versions(), self._changes)
 
+    async def snapshot(self, path: str) -> Callable[[], dict[str, Any]]:
+        """The bridge's snapshot handler: copy the engine's state under its lock (with
+        the seals of the certificates of the states held, so that a resumed node can
+        show them again); the writer it returns writes the copy to ``path``."""
+        async with self.syncer.lock:
+            state = self.engine.state_dict()
+            held = [
+                (p, self.engine.version(p), self.engine.digest(p)) for p in range(len(self.shared))
+            ]
+        seals = [[base64.b64encode(s).decode() for s in self.beliefs.seals(*h)] for h in held]
+
+        def write() -> dict[str, Any]:
+            meta = write_engine_file(path, state)
+            meta["seals"] = seals
+            return meta
+
+        return write
+
+    def restore_seals(self, seals: Sequence[Sequence[str]]) -> int:
+        """Offer the certificate seals a checkpoint kept for the states now held; how many
+        fragments' states they certify again."""
+        certified = 0
+        for p, sealed in enumerate(seals[: len(self.shared)]):
+            if not sealed:
+                continue
+            try:
+                raw = [base64.b64decode(s, validate=True) for s in sealed]
+            except (ValueError, TypeError):
+                logger.warning("fragment %d: the checkpoint's seals do not decode; ignored", p)
+                continue
+            version, digest = self.engine.version(p), self.engine.digest(p)
+            if self.beliefs.offer(p, version, digest, raw, now=trio.current_time()) is not None:
+                certified += 1
+        return certified
+
+    async def leave(self, timeout_s: float = 1.5) -> None:
+        """The trainer stopped: say so in the DHT (``training=False``), within
+        ``timeout_s``, so that no peer counts on this node for a group or waits for it."""
+        self.training = False
+        with trio.move_on_after(timeout_s) as scope:
+            await self.publisher.publish_once()
+        if scope.cancelled_caught:
+            logger.info("leaving: the last record was not stored within %.1f s", timeout_s)
+
     async def _record(self) -> PeerRecord:
         def build() -> PeerRecord:
             now = self.clock.wall()
@@ -443,6 +490,7 @@ async def swarm_worker(
     fault: str = "",
     cert_file: str = "",
     attack: str = "",
+    resume: str = "",
 ) -> None:
     """The network process of a swarm node (see the module docstring).
 
@@ -450,7 +498,9 @@ async def swarm_worker(
     ready it joins the swarm and catches up; the status then carries ``start_step``,
     ``peer_id`` and ``addrs``. ``fault`` is a test's fault injection
     (:func:`~atoll.node.net.faults.parse_fault`), ``attack`` a benchmark's or test's
-    attack injection (:func:`~atoll.node.net.attacks.parse_attack`).
+    attack injection (:func:`~atoll.node.net.attacks.parse_attack`). ``resume`` names a
+    checkpoint folder (:mod:`atoll.node.snapshot`) whose engine state the node starts
+    from: the global copies, outer momentum and versions it held when it stopped.
     """
     if manifest.aggregation != "mean":
         raise ConfigError(
@@ -469,6 +519,17 @@ async def swarm_worker(
         [shared.global_(p).copy() for p in range(len(shared))],
         seed=seed,
     )
+    seals: list[list[str]] = []
+    if resume:
+        state, seals = load_engine_part(resume)
+        engine.load_state_dict(state)
+        for p in range(len(shared)):
+            shared.global_(p)[:] = engine.global_params(p)
+        logger.info(
+            "engine state resumed from %s: versions %s",
+            resume,
+            [engine.version(p) for p in range(len(shared))],
+        )
     run_id = manifest.run_id()
     liveness = Liveness()
     host_config = HostConfig(listen=tuple(listen), dial_timeout_s=manifest.timeouts.dial_s)
@@ -506,6 +567,8 @@ async def swarm_worker(
             verifier=verifier,
             attack=hostile,
         )
+        if seals:
+            node.restore_seals(seals)
         nursery.start_soon(node.mailbox.run)
         nursery.start_soon(node.evidence.run)
         nursery.start_soon(node.attester.run)
@@ -531,6 +594,7 @@ async def swarm_worker(
         nursery.start_soon(node.peers.watch_silent, node.probe, _PROBE_EVERY_S)
         nursery.start_soon(watch_certificates, node.syncer, len(shared), _CERTIFY_EVERY_S)
         nursery.start_soon(node.report)
-        await serve(inbox, outbox, node.handle, node.settle, node.note_step)
+        await serve(inbox, outbox, node.handle, node.settle, node.note_step, node.snapshot)
+        await node.leave()
         node.post()
         nursery.cancel_scope.cancel()

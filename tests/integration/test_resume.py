@@ -1,0 +1,111 @@
+"""Checkpoints of real ``atoll node`` processes: a node stopped with Ctrl+C leaves within
+seconds and writes a last checkpoint; started again with the same identity it resumes
+from it (its step, its weights and its fragments' global copies), fetching only what the
+swarm moved past; a torn newest checkpoint is passed over for the one before.
+
+Two nodes and a bootstrap on 127.0.0.1; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atoll.node.checkpoint import CheckpointStore
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+RUN = {"total_steps": 400, "H": 12, "tau": 2, "blocks_per_fragment": 2}
+FAST = ("--checkpoint-every-s", "3", "--checkpoint-keep", "3")
+LEAVE_BOUND_S = 5.0  # Ctrl+C to exit, on an idle machine; the test allows for a busy one
+
+
+def _folders(tmp: Path) -> list[Path]:
+    return sorted((tmp / "checkpoints").glob("*/*"))
+
+
+def _store_of(tmp: Path, peer_id: str) -> CheckpointStore:
+    (folder,) = [f for f in _folders(tmp) if peer_id.endswith(f.name)]
+    return CheckpointStore(folder, read_only=True)
+
+
+def _applied_rounds(node: Any) -> int:
+    return int(node.progress.get("rounds_applied", 0))
+
+
+def test_a_stopped_node_leaves_quickly_and_resumes_where_it_stopped(
+    local_swarm: Any, wait_until: Any, tmp_path: Path
+) -> None:
+    run = local_swarm.write_manifest("resume", local_swarm.manifest("resume-test", **RUN))
+    local_swarm.start_bootstrap()
+    a = local_swarm.start_node("a", run, steps=0, wait_peers=1, extra=FAST)
+    b = local_swarm.start_node("b", run, steps=0, wait_peers=1, extra=FAST)
+    # both apply rounds, and b wrote a periodic checkpoint after one of them
+    wait_until(lambda: _applied_rounds(a) >= 2 and _applied_rounds(b) >= 2, 240, "rounds")
+    peer_b = b.progress["peer_id"]
+    wait_until(lambda: _store_of(tmp_path, peer_b).list(), 60, "b's first checkpoint")
+
+    b.proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    assert b.wait(60) == 0, b.tail()
+    left_s = time.monotonic() - t0
+    assert left_s < 3 * LEAVE_BOUND_S, f"b took {left_s:.1f} s to leave"
+    first = b.summary
+    assert first is not None and first["stopped_by"] == "SIGINT"
+    assert first["checkpoint"]["saved"] >= 2, first["checkpoint"]  # a periodic one and the last
+    newest = _store_of(tmp_path, peer_b).latest()
+    assert newest is not None
+    assert newest.meta["step"] == first["final_step"]
+    assert newest.meta["versions"] == list(first["info"]["versions"])
+
+    # started again with the same identity: it resumes, and trains on from that step
+    b2 = local_swarm.start_node("b", run, steps=12, wait_peers=1, extra=FAST)
+    assert b2.wait(240) == 0, b2.tail()
+    again = b2.summary
+    assert again is not None
+    ck = again["checkpoint"]
+    assert ck["resumed"] == str(newest.path)
+    assert ck["resumed_step"] == first["final_step"]
+    assert again["start_step"] >= first["final_step"]
+    # a fragment the swarm moved past meanwhile is fetched; the others were kept
+    assert set(ck["fetched"]) <= {0, 1}
+    assert "resumed ckpt-" in b2.stderr()
+
+    a.proc.send_signal(signal.SIGINT)
+    assert a.wait(60) == 0, a.tail()
+
+
+def test_a_torn_newest_checkpoint_is_passed_over(
+    local_swarm: Any, wait_until: Any, tmp_path: Path
+) -> None:
+    run = local_swarm.write_manifest("torn", local_swarm.manifest("torn-test", **RUN))
+    local_swarm.start_bootstrap()
+    a = local_swarm.start_node("a", run, steps=0, wait_peers=1, extra=FAST)
+    b = local_swarm.start_node("b", run, steps=0, wait_peers=1, extra=FAST)
+    wait_until(lambda: _applied_rounds(b) >= 1, 240, "b's first round")
+    peer_b = b.progress["peer_id"]
+    wait_until(lambda: len(_store_of(tmp_path, peer_b).list()) >= 1, 60, "a checkpoint of b")
+    b.proc.send_signal(signal.SIGINT)
+    assert b.wait(60) == 0, b.tail()
+    store = _store_of(tmp_path, peer_b)
+    infos = store.list()
+    assert len(infos) >= 2, infos  # a periodic one and the last one
+    newest, before = infos[-1], infos[-2]
+    # tear the newest: a byte of its tensors flipped, as a crash or a bad disk would
+    tensors = newest.path / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    assert newest.problem() is not None
+
+    b2 = local_swarm.start_node("b", run, steps=6, wait_peers=1, extra=FAST)
+    assert b2.wait(240) == 0, b2.tail()
+    assert b2.summary is not None
+    assert b2.summary["checkpoint"]["resumed"] == str(before.path)
+    assert f"checkpoint {newest.path.name} skipped" in b2.stderr()
+    a.proc.send_signal(signal.SIGINT)
+    assert a.wait(60) == 0, a.tail()
