@@ -988,7 +988,14 @@ async def local_engine_worker(
     async def handle(p: int, step: int, tokens: int) -> SyncOutcome:
         return report(await run_round(p, step, tokens))
 
-    await serve(inbox, outbox, handle)
+    async def snapshot(path: str) -> Callable[[], dict[str, Any]]:
+        from atoll.node.snapshot import write_engine_file
+
+        async with lock:
+            state = engine.state_dict()
+        return functools.partial(write_engine_file, path, state)
+
+    await serve(inbox, outbox, handle, snapshot=snapshot)
 
 
 def post_hold(outbox: Connection, fragment: int, seconds: float) -> None:

@@ -109,3 +109,75 @@ def test_a_torn_newest_checkpoint_is_passed_over(
     assert f"checkpoint {newest.path.name} skipped" in b2.stderr()
     a.proc.send_signal(signal.SIGINT)
     assert a.wait(60) == 0, a.tail()
+
+
+def test_periodic_checkpoints_through_a_real_bridge(tmp_path: Path, wait_until: Any) -> None:
+    """NodeCheckpoints with a real network process (the bridge's reference worker): a
+    save begins only when due and quiet, its engine part is the network process's engine
+    after its rounds, and the last save at stop waits for its answer."""
+    import numpy as np
+    import torch
+
+    from atoll.node.net.bridge import NetworkBridge, SharedFragments
+    from atoll.node.snapshot import NodeCheckpoints, load_engine_part
+    from atoll.protocol.engine import EngineConfig
+
+    sizes = [500, 77]
+    shared = SharedFragments.create(sizes)
+    try:
+        for p, n in enumerate(sizes):
+            shared.global_(p)[:] = np.linspace(-1, 1, n, dtype=np.float32)
+        config = EngineConfig(H=4, tau=0, alpha=0.0, codec="e3m0")
+        worker = "atoll.node.net.bridge:local_engine_worker"
+        with NetworkBridge(shared, worker, {"config": config, "seed": 3}) as bridge:
+            for p in range(len(sizes)):
+                shared.local(p)[:] = shared.global_(p) + 0.25
+                bridge.start_sync(p, 0, 100 * (p + 1))
+                outcome = bridge.wait(p, 30)
+                assert outcome is not None and outcome.applied, outcome
+            model = torch.nn.Linear(4, 3)
+            optimizer = torch.optim.AdamW(model.parameters())
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            now = [0.0]
+            ckpts = NodeCheckpoints(
+                CheckpointStore(tmp_path / "ckpt"),
+                every_s=5.0,
+                identity={"run_id": "r" * 64, "peer_id": "p"},
+                clock=lambda: now[0],
+            )
+
+            def poll(quiet: bool = True) -> None:
+                ckpts.poll(
+                    bridge, model, optimizer, step=7, tokens=300, quiet=quiet, meta=lambda: {}
+                )
+
+            poll()
+            assert not ckpts.stats.stalls  # not due yet
+            now[0] = 6.0
+            poll(quiet=False)
+            assert not ckpts.stats.stalls  # due, but a sync is in flight
+            poll()
+            assert len(ckpts.stats.stalls) == 1
+
+            def saved() -> bool:
+                poll()
+                return ckpts.stats.saved == 1
+
+            wait_until(saved, 30, "the periodic checkpoint", interval_s=0.05)
+            last = ckpts.final(bridge, model, optimizer, step=8, tokens=310, meta={}, timeout_s=30)
+            assert last is not None and ckpts.stats.saved == 2, ckpts.stats
+            state, _ = load_engine_part(last)
+            for p in range(len(sizes)):
+                got = state["fragments"][p]
+                assert got["version"] == 1
+                np.testing.assert_array_equal(got["global"], shared.global_(p))
+            newest = CheckpointStore(tmp_path / "ckpt", read_only=True).latest()
+            assert newest is not None and newest.meta["step"] == 8
+            assert newest.meta["versions"] == [1, 1]
+            assert torch.equal(
+                torch.from_numpy(newest.tensors["model/weight"]), model.weight.detach()
+            )
+    finally:
+        shared.close()
+        shared.unlink()
