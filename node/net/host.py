@@ -223,13 +223,22 @@ class WrongRun(ConfigError):
 class VersionMismatch(ConfigError):
     """The peer speaks another atoll protocol version (or no atoll protocol at all).
 
-    ``offered`` lists the atoll protocol ids the peer said it serves, when it said.
+    ``offered`` lists the atoll protocol ids the peer said it serves, when it said;
+    ``version`` is the protocol version its Hello named, when it answered one.
     """
 
-    def __init__(self, peer_id: str, message: str, offered: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        peer_id: str,
+        message: str,
+        offered: tuple[str, ...] = (),
+        *,
+        version: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.peer_id = peer_id
         self.offered = offered
+        self.version = version
 
 
 @dataclass(frozen=True, slots=True)
@@ -662,6 +671,7 @@ class AtollHost:
                 peer,
                 f"peer {peer} says protocol version {msg.protocol} in its Hello; "
                 f"this node speaks {PROTOCOL_VERSION}",
+                version=msg.protocol,
             )
         if msg.peer_id != peer:
             return CodecError(f"peer {peer} sent a Hello naming peer {msg.peer_id!r}, not itself")
