@@ -15,9 +15,10 @@ Subcommands (more come with the swarm):
   (``run.toml.sig``); ``atoll manifest verify run.toml`` checks it as a joiner does.
 - ``atoll version``.
 
-Errors atoll raises on purpose are printed as one line (``atoll: error: ...``), never as
-a traceback; Ctrl+C stops with exit status 130, except ``atoll bootstrap``, a service for
-which SIGINT and SIGTERM are the normal way to stop: exit status 0.
+Errors atoll raises on purpose are printed as one line (``atoll: error: ...``; a join
+that failed through several addresses, one such line per address), never as a traceback;
+Ctrl+C stops with exit status 130, except ``atoll bootstrap``, a service for which SIGINT
+and SIGTERM are the normal way to stop: exit status 0.
 
 Building the parser imports no torch (the config dataclasses live in
 :mod:`atoll.node.settings`); each subcommand imports what it runs when it runs, so
@@ -516,7 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except AtollError as e:
-        print(f"atoll: error: {e}", file=sys.stderr)
+        # one line per reason (a failed join names each address on a line of its own)
+        for line in str(e).splitlines() or [""]:
+            print(f"atoll: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\natoll: interrupted after {time.monotonic() - t0:.0f} s", file=sys.stderr)

@@ -570,8 +570,6 @@ async def swarm_worker(
         if seals:
             node.restore_seals(seals)
         nursery.start_soon(node.mailbox.run)
-        nursery.start_soon(node.evidence.run)
-        nursery.start_soon(node.attester.run)
 
         def on_suspect(peer: str, failures: int) -> None:
             # twice silent in a row: its connections may sit in TCP back-off after the
@@ -583,6 +581,10 @@ async def swarm_worker(
         joined = await join_swarm(
             host, dht, join, timeout_s=join_timeout_s, dial_s=manifest.timeouts.dial_s
         )
+        # the DHT's readers and writers start once the node is in: before, their lookups
+        # could only dial the --join addresses (and py-libp2p logs every failed one)
+        nursery.start_soon(node.evidence.run)
+        nursery.start_soon(node.attester.run)
         await node.publisher.publish_once()
         if wait_peers:
             await node.peers.wait_for(wait_peers, join_timeout_s)
