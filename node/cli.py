@@ -200,6 +200,25 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from atoll.node.export import export_model
+    from atoll.protocol.manifest import RunManifest
+    from atoll.security.identity import load_or_create
+
+    folder = args.checkpoint
+    if not folder:
+        key = Path(args.identity).expanduser()
+        if not key.is_file():
+            raise ConfigError(
+                f"no identity {key}: name the node's --identity or its --checkpoint folder"
+            )
+        run_id = RunManifest.load(Path(args.run).expanduser()).run_id()
+        peer_id = load_or_create(key).peer_id
+        folder = str(NodeConfig(run=args.run, identity=str(key)).checkpoint_folder(run_id, peer_id))
+    print(export_model(args.run, folder, args.out).describe())
+    return 0
+
+
 def _cmd_org_issue(args: argparse.Namespace) -> int:
     from atoll.security.identity import load_or_create
     from atoll.security.membership import issue, read_certificate
@@ -502,6 +521,26 @@ def build_parser() -> argparse.ArgumentParser:
     man_verify.add_argument("--sig", metavar="PATH", help="the signature (default: MANIFEST.sig)")
     man_verify.add_argument("manifest", metavar="MANIFEST", help="the run manifest (TOML)")
     man_verify.set_defaults(func=_cmd_manifest_verify)
+
+    export = sub.add_parser(
+        "export",
+        help="write the swarm's global model from a node's checkpoint (safetensors + config)",
+        description=(
+            "Write the global model (every fragment's global copy) of a node's newest "
+            "checkpoint into OUT: model.safetensors and config.json, and for an hf: model "
+            "a Hugging Face folder OUT/hf. The checkpoint folder is the node's (found from "
+            "--identity, as atoll node finds it) unless --checkpoint names one."
+        ),
+    )
+    export.add_argument("--run", required=True, help="the run's manifest (TOML)")
+    export.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    export.add_argument(
+        "--identity",
+        default=NodeConfig.identity,
+        help=f"the node's identity file (default: {NodeConfig.identity})",
+    )
+    export.add_argument("--checkpoint", help="a node's checkpoint folder, or one ckpt-NNNNNN")
+    export.set_defaults(func=_cmd_export)
 
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda _a: print(version("atoll")) or 0)
