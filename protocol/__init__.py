@@ -7,6 +7,7 @@ Map of the modules:
 - ``reduce``     token-weighted reduction of encoded contributions, RDA, byte accounting
 - ``fragments``  Streaming DiLoCo fragment planner (strided blocks, balanced bins)
 - ``schedule``   which fragment syncs at which inner step
+- ``packing``    balanced micro-batches of variable-length documents (Karmarkar-Karp)
 - ``outer``      the outer optimizer (Nesterov SGD on fp32 global copies)
 - ``engine``     per-fragment outer state: begin a sync, deliver a result, or skip
 - ``manifest``   the run manifest (TOML) whose hash identifies a run, and ``OuterLoop``,
