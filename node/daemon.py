@@ -350,7 +350,10 @@ def _train(
         if jump_to > run.step + lag_allowed:
             run.jump(jump_to, extend=bool(cfg.steps))
         jump_to = 0
+        compute_before = rep.timer.compute_s
         run.losses.append(rep.train_step(run.step))
+        if cfg.slowdown > 1.0:  # a slow peer (tests, benchmarks): NodeConfig.slowdown
+            time.sleep((cfg.slowdown - 1.0) * (rep.timer.compute_s - compute_before))
         run.tokens += rep.batcher.tokens_per_batch
         for outcome in loop.after_step(run.step, run.tokens):
             if outcome.applied and outcome.reason.startswith("rebased"):

@@ -254,6 +254,10 @@ class NodeConfig:
     resume: bool = True
     """resume from the newest checkpoint in checkpoint_dir (--no-resume: start afresh,
     the checkpoints stay)"""
+    slowdown: float = 1.0
+    """a slow peer, for tests and benchmarks (bench/churn.py): after each step the trainer
+    sleeps (slowdown - 1) times that step's compute time, so 2.0 trains half as fast
+    (usually from ATOLL_SLOWDOWN; 1.0: no delay)"""
 
     def __post_init__(self) -> None:
         if not self.run.strip():
@@ -264,6 +268,8 @@ class NodeConfig:
             raise ConfigError(f"checkpoint_every_s must be >= 0, not {self.checkpoint_every_s}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"checkpoint_keep must be >= 1, not {self.checkpoint_keep}")
+        if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
+            raise ConfigError(f"slowdown must be >= 1, not {self.slowdown}")
         if not (math.isfinite(self.join_timeout_s) and self.join_timeout_s > 0):
             raise ConfigError(f"join_timeout_s must be > 0, not {self.join_timeout_s}")
         if self.progress not in PROGRESS_MODES:
