@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from atoll.node.checkpoint import CheckpointStore
-from atoll.node.data import Batcher, load_corpus
+from atoll.node.data import load_corpus
+from atoll.node.documents import make_batcher
 from atoll.node.model import build, tensor_specs
 from atoll.node.net.bridge import NetworkBridge, Settled, SharedFragments, SyncOutcome
 from atoll.node.net.status import NodeStatus
@@ -210,7 +211,7 @@ def run_node(
     stop = _Stop()
     try:
         identity = load_or_create(identity_path)
-        batcher = Batcher(corpus, seq_len, manifest.batch_size, manifest.seed)
+        batcher = make_batcher(corpus, seq_len, manifest, cfg)
         inner = InnerConfig(
             lr=manifest.lr,
             warmup=manifest.warmup,

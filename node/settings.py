@@ -19,6 +19,7 @@ from typing import Any
 
 from atoll.protocol.errors import CodecError, ConfigError
 from atoll.protocol.manifest import MembershipSettings, OuterLoop, RunManifest, short_id
+from atoll.protocol.packing import COSTS, PACKINGS
 from atoll.security.membership import (
     MAX_CERTIFICATE_BYTES,
     Membership,
@@ -231,6 +232,13 @@ class NodeConfig:
     """a progress line every N steps (and at least every 10 s)"""
     eval_batches: int = 8
     """validation batches evaluated at the end (0: none)"""
+    micro_batches: int = 4
+    """micro-batches per step in a run with batching = "documents" (gradient accumulation)"""
+    packing: str = "plain"
+    """how such a batch is cut into micro-batches: plain (arrival order, equal counts) or
+    kk (balanced cost: Karmarkar-Karp largest differencing, then greedy swaps)"""
+    packing_cost: str = "quadratic"
+    """a document's cost for kk packing: linear or quadratic in its length"""
     progress: str = "text"
     """text (a status line on stderr), jsonl (JSON lines on stdout) or none"""
     cert: str = ""
@@ -276,6 +284,13 @@ class NodeConfig:
             raise ConfigError(f"progress must be one of {PROGRESS_MODES}, not {self.progress!r}")
         if not self.listen_addrs():
             raise ConfigError("a node needs at least one --listen multiaddr")
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro_batches must be >= 1, not {self.micro_batches}")
+        if self.packing not in PACKINGS or self.packing_cost not in COSTS:
+            raise ConfigError(
+                f"packing must be one of {PACKINGS} and packing_cost one of {COSTS}, "
+                f"not {self.packing!r} and {self.packing_cost!r}"
+            )
         from atoll.node.net.attacks import parse_attack  # checked here, used by the worker
 
         parse_attack(self.attack)

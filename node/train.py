@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from atoll.node.data import Batcher
+from atoll.node.documents import DocumentBatcher, MicroBatch
 from atoll.node.settings import InnerConfig
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import FragmentPlan
@@ -153,20 +154,33 @@ class Replica:
     def train_step(
         self, step: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
     ) -> float:
-        """One inner step on this replica's deterministic batch (or on ``batches``); the loss."""
-        if batches is None:
-            batches = [self.batcher.batch(self.replica_id, step)]
+        """One inner step on this replica's deterministic batch (or on ``batches``); the loss.
+
+        With a :class:`~atoll.node.documents.DocumentBatcher` and no ``batches``, the step
+        accumulates the gradients of the batch's micro-batches (:meth:`_accumulate`).
+        """
+        micro: list[MicroBatch] | None = None
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+        if batches is not None:
+            pairs = batches
+        elif isinstance(self.batcher, DocumentBatcher):
+            micro = self.batcher.micro_batches(self.replica_id, step)
+        else:
+            pairs = [self.batcher.batch(self.replica_id, step)]
         lr = lr_at(step, self.inner)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
         with self.timer.measure(self.device):
-            x = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
-            y = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
-            with self._autocast():
-                loss = self.model.loss(x, y)  # type: ignore[operator]
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if micro is not None:
+                loss = self._accumulate(micro)
+            else:
+                x = torch.cat([b[0] for b in pairs]).to(self.device, non_blocking=True)
+                y = torch.cat([b[1] for b in pairs]).to(self.device, non_blocking=True)
+                with self._autocast():
+                    loss = self.model.loss(x, y)  # type: ignore[operator]
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
             if self.inner.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
             self.optimizer.step()
@@ -175,6 +189,22 @@ class Replica:
             raise FloatingPointError(
                 f"replica {self.replica_id}: loss became {value} at step {step}"
             )
+        return value
+
+    def _accumulate(self, micro: Sequence[MicroBatch]) -> torch.Tensor:
+        """Forward and backward of each micro-batch, its mean loss weighted by its share of
+        the batch's tokens: the gradients add up to those of the per-token mean over the
+        whole batch, however it was cut. Returns that mean (detached)."""
+        total = sum(mb.tokens for mb in micro)
+        self.optimizer.zero_grad(set_to_none=True)
+        value = torch.zeros((), device=self.device)
+        for mb in micro:
+            x = mb.inputs.to(self.device, non_blocking=True)
+            y = mb.targets.to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.model.loss(x, y) * (mb.tokens / total)  # type: ignore[operator]
+            loss.backward()
+            value += loss.detach().float()
         return value
 
 

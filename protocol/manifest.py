@@ -29,7 +29,8 @@ lowercased), so that two spellings of the same run cannot split a swarm in two.
 A manifest may name its owner (``owner = "12D3KooW..."``, the peer id of the owner's key);
 a joiner then requires the owner's signature over the run id next to the manifest
 (:mod:`atoll.security.manifest_sig`, ``atoll manifest sign``). Like the ``[membership]``
-and ``[robust]`` tables, an empty owner is left out of the run id and the TOML.
+and ``[robust]`` tables, an empty owner is left out of the run id and the TOML, and so is
+``batching`` while it is ``"windows"``.
 
 The outer-loop settings (H, τ, α, codec, outer optimizer, aggregation) are declared once,
 in :class:`OuterLoop`: the manifest is one (its keys are the manifest's top-level keys),
@@ -63,6 +64,7 @@ from atoll.protocol.robust import RobustRule
 
 __all__ = [
     "AGGREGATIONS",
+    "BATCHINGS",
     "MANIFEST_VERSION",
     "MEMBERSHIP_MODES",
     "GroupSettings",
@@ -78,6 +80,10 @@ AGGREGATIONS = ("mean", "rda")
 
 MEMBERSHIP_MODES = ("public", "private")
 """Who may take part: anyone, or the members the ``[membership]`` table names."""
+
+BATCHINGS = ("windows", "documents")
+"""What a batch is: random windows of the model's sequence length, or whole documents of
+variable length (``atoll.node.documents``)."""
 
 MANIFEST_VERSION: int = 1
 """Version of the canonical encoding hashed into the run id; bump it when fields change
@@ -483,6 +489,9 @@ class RunManifest(OuterLoop):
     """seed of the initial weights and of the data order"""
     batch_size: int = 16
     """sequences per peer per inner step"""
+    batching: str = "windows"
+    """windows (batch_size random windows of seq_len bytes) or documents (whole documents
+    of up to seq_len bytes, batch_size × seq_len tokens in all, trained as micro-batches)"""
     lr: float = 3e-3
     """peak inner learning rate"""
     warmup: int = 50
@@ -535,6 +544,8 @@ class RunManifest(OuterLoop):
             raise ConfigError(f"seed must be >= 0, not {self.seed}")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, not {self.batch_size}")
+        if self.batching not in BATCHINGS:
+            raise ConfigError(f"batching must be one of {BATCHINGS}, not {self.batching!r}")
         _positive("lr", self.lr)
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0, not {self.warmup}")
@@ -563,9 +574,10 @@ class RunManifest(OuterLoop):
         The encoding is msgpack of ``{"manifest_version": MANIFEST_VERSION, "run": {...}}``
         with every table's keys sorted, so it depends on the values alone, not on the order
         or spelling of the TOML they came from. Any change of any field changes it. The
-        ``membership`` and ``robust`` tables and the ``owner`` key are left out while they
-        are the default (public, nothing revoked; the plain mean; no owner), so the run
-        ids of manifests written before they existed stay what they were.
+        ``membership`` and ``robust`` tables and the ``owner`` and ``batching`` keys are
+        left out while they are the default (public, nothing revoked; the plain mean; no
+        owner; windows), so the run ids of manifests written before they existed stay
+        what they were.
         """
         run = _canonical(self)
         for key, default in (_OPTIONAL_TABLES | _OPTIONAL_KEYS).items():
@@ -659,7 +671,7 @@ _OPTIONAL_TABLES: dict[str, object] = {
     "robust": RobustSettings(),
 }
 """tables left out of the run id and the TOML while they hold their defaults"""
-_OPTIONAL_KEYS: dict[str, object] = {"owner": ""}
+_OPTIONAL_KEYS: dict[str, object] = {"owner": "", "batching": "windows"}
 """top-level keys left out of the run id and the TOML while they hold their defaults"""
 
 

@@ -29,6 +29,7 @@ CHANGED_TOP: dict[str, Any] = {
     "corpus_sha256": "ab" * 32,
     "seed": 1,
     "batch_size": 32,
+    "batching": "documents",
     "lr": 1e-3,
     "warmup": 100,
     "total_steps": 5000,
@@ -471,3 +472,23 @@ def test_an_owner_that_is_not_a_peer_id_is_refused(owner: object) -> None:
     value = f'"{owner}"' if isinstance(owner, str) else str(owner)
     with pytest.raises(ConfigError, match="owner"):
         RunManifest.from_toml(f'name = "x"\nowner = {value}\n')
+
+
+# -- batching ---------------------------------------------------------------------------------
+def test_windows_batching_keeps_the_run_id_and_documents_change_it() -> None:
+    plain = RunManifest.from_toml(ORG_RUN)
+    explicit = RunManifest.from_toml('batching = "windows"\n' + ORG_RUN)
+    assert explicit == plain and explicit.run_id() == plain.run_id()
+    assert plain.run_id() == "bf505035b5fc3d0dc85dbaafb66cab801af122b9a9cf8c7fea13db2c51eaf316"
+    assert "batching" not in plain.to_toml()
+    docs = RunManifest.from_toml('batching = "documents"\n' + ORG_RUN)
+    assert docs.batching == "documents" and docs.run_id() != plain.run_id()
+    assert 'batching = "documents"' in docs.to_toml()
+    again = RunManifest.from_toml(docs.to_toml())
+    assert again == docs and again.run_id() == docs.run_id()
+
+
+@pytest.mark.parametrize("value", ['"document"', '"Windows"', "1"])
+def test_an_unknown_batching_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="batching"):
+        RunManifest.from_toml(f'name = "x"\nbatching = {value}\n')
