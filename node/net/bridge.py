@@ -125,6 +125,7 @@ MAX_HOLD_S = 120.0
 """the longest a hold keeps the trainer waiting (the network process asks for at most
 its matchmaking deadline; this bounds a faulty one)"""
 _MAX_MESSAGE = 1 << 16  # commands are tiny; anything larger is a bug
+_EXIT_GRACE_S = 0.5  # how long a worker that reported its error may take to exit
 _F32 = np.dtype(np.float32)
 
 
@@ -515,6 +516,7 @@ class NetworkBridge:
         self._dead: str | None = None
         self._closed = False
         self._settled: Settled | None = None
+        self._reported_error = False  # the worker said why it stopped: the process is exiting
         self._snapshots: dict[str, SnapshotReply | None] = {}  # asked -> answer (None: not yet)
         self._step_sent_at = -float("inf")
         self.status = NodeStatus()
@@ -548,7 +550,9 @@ class NetworkBridge:
         try:
             self._await_ready(start_timeout_s)
         except BaseException:
-            self.close(timeout_s=1.0)
+            # a worker that reported its error (a failed join, say) has closed its host and
+            # only exits: the user is told without waiting out the interpreter's shutdown
+            self.close(timeout_s=_EXIT_GRACE_S if self._reported_error else 1.0)
             raise
 
     def _await_ready(self, timeout_s: float) -> None:
@@ -569,6 +573,7 @@ class NetworkBridge:
                         self._take_status(msg)
                         continue
                     if msg[0] == "error":
+                        self._reported_error = True
                         raise NetworkStartError(str(msg[1]))
                     raise NetworkStartError(f"unexpected first message {msg[:1]!r}")
             except (EOFError, OSError):
@@ -777,7 +782,8 @@ class NetworkBridge:
                     _send(self._cmd, ["shutdown"])
                 self._proc.join(timeout_s)
                 if self._proc.is_alive():
-                    log.warning("network process did not stop in %.1f s: killing it", timeout_s)
+                    if not self._reported_error:  # else it was only shutting its interpreter
+                        log.warning("network process did not stop in %.1f s: killing it", timeout_s)
                     self._proc.kill()
                     self._proc.join(2.0)
         finally:
