@@ -224,7 +224,8 @@ class NodeConfig:
     wait_peers: int = 0
     """before training, wait until this many other peers of the run are in the DHT"""
     join_timeout_s: float = 60.0
-    """keep retrying the join addresses (with backoff) this long before giving up"""
+    """the whole join's deadline, from when it begins (after start-up): the join addresses
+    are retried with backoff until then, and a failure is told then, one line each"""
     device: str = "auto"
     threads: int = 0
     """torch CPU threads (0: torch's default)"""

@@ -85,10 +85,11 @@ async def join_swarm(
 ) -> int:
     """Join the DHT through ``addrs``, each tried with backoff, all within ``timeout_s``.
 
-    Returns how many addresses answered (at least one). Raises :class:`JoinFailed` at the
-    deadline when none did, a ConfigError as soon as every address refused for good
-    (another run, another protocol version, a private run's refusal, a malformed
-    address); either one names each address once, one line per address.
+    Returns how many addresses answered (0 only when there are none). Raises
+    :class:`JoinFailed` at the deadline when none did, a ConfigError as soon as every
+    address refused for good (another run, another protocol version, a private run's
+    refusal, a malformed address); either one names each address once, one line per
+    address.
     """
     if not addrs:
         return 0
