@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,8 @@ from atoll.protocol.messages import wire_message
 
 __all__ = [
     "CHUNK_BYTES",
+    "PIECE_BYTES",
+    "PIECE_HASH_LEN",
     "Believes",
     "FragmentState",
     "StateAssembler",
@@ -53,8 +55,13 @@ __all__ = [
     "believing_own",
     "chunks_of",
     "decode_state",
+    "digest_of_pieces",
+    "hashes_of",
     "leading_state",
+    "piece_hashes",
+    "pieces_in",
     "should_rebase",
+    "state_bytes",
     "state_digest",
 ]
 
@@ -65,6 +72,13 @@ _MAGIC = b"ATST"
 _HEADER = struct.Struct(">4sQQQQ")  # magic, version, optimizer steps, inner step, numel
 _ID = {"max_len": 128}
 DIGEST_LEN = 32  # hex digits of a state digest (128 bits)
+
+PIECE_BYTES: int = 1024 * 1024
+"""Bytes of one piece of a state's encoding: the unit its digest hashes and a joiner
+checks and fetches (:func:`state_digest`). Fixed: changing it changes every digest."""
+PIECE_HASH_LEN = 32  # bytes of one piece's sha256
+_DIGEST_MAGIC = b"ATSD"
+_DIGEST_HEAD = struct.Struct(">4sQQQ")  # magic, piece size, total bytes, pieces
 
 Believes = Callable[[int, str], bool]
 """``believes(version, digest)``: whether a declared state of the fragment may be
@@ -102,7 +116,7 @@ class FragmentState:
         return self._encode(0)
 
     def digest(self) -> str:
-        """Hex sha256 (first 128 bits) of the encoding with ``step`` left out.
+        """The two-level hash (:func:`state_digest`) of the encoding with ``step`` left out.
 
         Equal digests mean equal version, optimizer steps, global copy and momentum: the
         peers may average together.
@@ -124,15 +138,77 @@ def state_digest(
     version: int, optimizer_steps: int, global_params: np.ndarray, momentum: np.ndarray
 ) -> str:
     """:meth:`FragmentState.digest` of these values, hashed in place (no copy of the
-    arrays on a little-endian machine): what a peer declares for its fragment."""
-    h = hashlib.sha256(_HEADER.pack(_MAGIC, version, optimizer_steps, 0, global_params.size))
+    arrays on a little-endian machine): what a peer declares for its fragment.
+
+    A two-level hash, as BitTorrent's piece hashes: the :meth:`FragmentState.encode`
+    bytes are cut into pieces of :data:`PIECE_BYTES`, each piece is hashed
+    (:func:`piece_hashes`) and the digest is the hash of a fixed header and that list
+    (:func:`digest_of_pieces`). A joiner that holds a certified digest checks a donor's
+    list against it once, then every piece from any donor against its own hash as it
+    arrives (:mod:`atoll.protocol.statefetch`)."""
+    hashes = piece_hashes(version, optimizer_steps, global_params, momentum)
+    return digest_of_pieces(_HEADER.size + 8 * global_params.size, hashes)
+
+
+def piece_hashes(
+    version: int, optimizer_steps: int, global_params: np.ndarray, momentum: np.ndarray
+) -> list[bytes]:
+    """The sha256 of each :data:`PIECE_BYTES` piece of the state's encoding (the last one
+    shorter), hashed in place over the header and both arrays."""
+    head = _HEADER.pack(_MAGIC, version, optimizer_steps, 0, global_params.size)
     le = np.dtype("<f4")
-    for a in (global_params, momentum):
-        h.update(np.ascontiguousarray(a, dtype=le).data.cast("B"))
+    segments = [memoryview(head)] + [
+        np.ascontiguousarray(a, dtype=le).reshape(-1).data.cast("B")
+        for a in (global_params, momentum)
+    ]
+    return _hash_pieces(segments)
+
+
+def _hash_pieces(segments: Iterable[memoryview]) -> list[bytes]:
+    hashes: list[bytes] = []
+    h = hashlib.sha256()
+    room = PIECE_BYTES
+    for seg in segments:
+        at = 0
+        while at < len(seg):
+            take = min(room, len(seg) - at)
+            h.update(seg[at : at + take])
+            at += take
+            room -= take
+            if room == 0:
+                hashes.append(h.digest())
+                h, room = hashlib.sha256(), PIECE_BYTES
+    if room < PIECE_BYTES or not hashes:
+        hashes.append(h.digest())
+    return hashes
+
+
+def hashes_of(data: bytes | bytearray | memoryview) -> list[bytes]:
+    """:func:`piece_hashes` of an encoding already in memory (:meth:`FragmentState.encode`)."""
+    return _hash_pieces([memoryview(data).cast("B")])
+
+
+def state_bytes(numel: int) -> int:
+    """Bytes of the encoding of a state of ``numel`` values (header, two float32 arrays)."""
+    return _HEADER.size + 8 * numel
+
+
+def pieces_in(total: int) -> int:
+    """How many pieces an encoding of ``total`` bytes has."""
+    return max(1, -(-total // PIECE_BYTES))
+
+
+def digest_of_pieces(total: int, hashes: Sequence[bytes]) -> str:
+    """The state digest of an encoding of ``total`` bytes whose pieces hash to ``hashes``:
+    sha256 (first 128 bits, hex) of a fixed header (magic, piece size, total, count) and
+    the hashes in order."""
+    h = hashlib.sha256(_DIGEST_HEAD.pack(_DIGEST_MAGIC, PIECE_BYTES, total, len(hashes)))
+    for piece in hashes:
+        h.update(piece)
     return h.hexdigest()[:DIGEST_LEN]
 
 
-def decode_state(data: bytes, numel: int) -> FragmentState:
+def decode_state(data: bytes | bytearray, numel: int) -> FragmentState:
     """The :class:`FragmentState` in ``data`` (:meth:`FragmentState.wire` or ``encode``).
 
     Raises :class:`~atoll.protocol.errors.CodecError` when the bytes are not a state of

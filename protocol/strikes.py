@@ -20,6 +20,9 @@ broken (docs/DESIGN.md, "Strikes and bans"):
   committed by fewer members than the quorum (a round may commit at one member and roll
   back at another), or its partners' attestations have not reached the DHT after a cut,
   until its next sync rebases it. It is kept in the ledger for the logs and status;
+- ``state``: the peer served a piece of a certified state that fails its hash, or a
+  piece list that does not hash to the certified digest
+  (:mod:`atoll.protocol.statefetch`): a donor has no honest way to do that;
 - ``evidence``: another peer published the offender's signed record of a forged claim,
   and this node checked it (the signature is the offender's, the claim is far past what
   this node believes, and no certificate of it was found).
@@ -59,13 +62,14 @@ __all__ = ["WEIGHTS", "Ban", "Reason", "Strike", "Strikes", "reason_of_failure",
 
 log = logging.getLogger(__name__)
 
-Reason: TypeAlias = Literal["part", "equivocation", "forged", "uncertified", "evidence"]
+Reason: TypeAlias = Literal["part", "equivocation", "forged", "uncertified", "evidence", "state"]
 
 WEIGHTS: Mapping[str, int] = {
     "part": 3,
     "equivocation": 3,
     "forged": 3,
     "evidence": 3,
+    "state": 3,
     "uncertified": 0,
 }
 """Points per reason (see the module docstring); a ban at ``threshold`` (3) points."""

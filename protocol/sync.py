@@ -51,9 +51,10 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
 4. :meth:`FragmentSync.reduced` with the all-reduce outcome: Done is delivered (commit),
    Failed rolled back; a delivery the engine refuses is a roll back too.
 5. After the round, the holdings seen meanwhile decide whether to rebase
-   (:class:`FetchState`, one holder at a time: :meth:`FragmentSync.fetched` imports a
-   state at least as new as the target, :meth:`FragmentSync.fetch_failed` moves on to the
-   next holder) or to finish (:class:`SyncDone`).
+   (:class:`FetchState`, naming every holder: the driver copies from several at once,
+   :meth:`FragmentSync.fetched` imports a state at least as new as the target,
+   :meth:`FragmentSync.fetch_failed` gives up, or moves on to the next holder for a
+   driver that asked one) or to finish (:class:`SyncDone`).
 
 Certified states. With ``believes`` (``(version, digest) -> bool``, a node's
 :class:`~atoll.protocol.certificate.CertifiedStates`), the rebase rule follows only
@@ -80,7 +81,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import numpy as np
@@ -144,12 +145,16 @@ class RunRound:
 
 @dataclass(frozen=True, slots=True)
 class FetchState:
-    """Copy fragment ``fragment``'s state ``target`` (version, digest) from ``peer``."""
+    """Copy fragment ``fragment``'s state ``target`` (version, digest) from ``peer``, or
+    from several of ``peers`` at once (every holder not tried yet, ``peer`` first: a
+    multi-source copy, :mod:`atoll.protocol.statefetch`)."""
 
     fragment: int
     peer: str
     target: tuple[int, str]
     numel: int
+    peers: tuple[str, ...] = field(default=(), compare=False)
+    """left out of equality: the same copy, whichever holders the driver may use"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +179,10 @@ class SyncDone:
     """the inner step of the peer whose state was copied (rebases only)"""
     members: tuple[str, ...] = ()
     """the group of the round, leader first (empty when no group formed)"""
+    swarm_step: int | None = None
+    """when the peers of the slot refused this one as out of step
+    (:data:`~atoll.protocol.matchmaking.OUT_OF_STEP`): their step, where the trainer
+    belongs; None otherwise"""
 
 
 Action: TypeAlias = FindGroup | RunRound | FetchState | SyncDone
@@ -237,6 +246,7 @@ class FragmentSync:
         self._local: np.ndarray | None = None  # the trainer's copy, to take Δ again
         self._rebased: tuple[int, int] | None = None  # (version, server step) of a rebase
         self._withdrawn = ""  # why matchmaking left the slot for a winning copy, if it did
+        self._swarm_step: int | None = None  # the step of peers that refused ours
         self._discount = 1.0  # of Δ's token weight, offered versions after it was taken
 
     # -- queries ---------------------------------------------------------------------------
@@ -323,6 +333,8 @@ class FragmentSync:
         request = self._request
         assert request is not None
         if isinstance(found, mm.Alone):
+            if found.swarm_step >= 0:
+                self._swarm_step = found.swarm_step
             if found.withdrawn and self._rebased is None and not self._withdrawn:
                 rebase = self._rebase_plan(holdings, at_most=request.round + MAX_STALENESS)
                 if rebase is not None:  # no round ran: Δ is offered again at the winner
@@ -439,13 +451,18 @@ class FragmentSync:
             state_step=state.step,
         )
 
-    def fetch_failed(self, reason: str) -> Action:
-        """The current holder did not serve the state: the next one, or give up."""
+    def fetch_failed(self, reason: str, *, everyone: bool = False) -> Action:
+        """The current holder did not serve the state: the next one, or give up.
+        ``everyone``: the fetch tried every holder (a multi-source copy), give up now."""
         if self._done is not None:
             return self._done
         self._expect("rebasing")
-        log.info("fetching fragment %d from %s failed: %s", self.fragment, self._holders[0], reason)
-        self._holders.pop(0)
+        who = "its holders" if everyone else self._holders[0]
+        log.info("fetching fragment %d from %s failed: %s", self.fragment, who, reason)
+        if everyone:
+            self._holders.clear()
+        else:
+            self._holders.pop(0)
         if self._holders:
             return self._fetch_next()
         self._target = None
@@ -495,6 +512,7 @@ class FragmentSync:
                 self._digest,
                 request.weight,
                 wall_now,
+                request.step,
             )
         )
 
@@ -546,6 +564,7 @@ class FragmentSync:
             self._holders[0],
             self._target,
             int(self.engine.global_params(self.fragment).size),
+            tuple(self._holders),
         )
 
     def _roll_back(self, status: RoundStatus, reason: str, holdings: Iterable[Holding]) -> Action:
@@ -593,6 +612,7 @@ class FragmentSync:
             rebased=rebased,
             state_step=state_step,
             members=self._members,
+            swarm_step=self._swarm_step,
         )
         return self._done
 

@@ -22,8 +22,14 @@ network process:
   parallel (each peer's own stream), a failed send is that peer lost. Returns Done or
   Failed, never hangs: the round's own deadlines bound it, and the sends still going
   when it ends get at most ``linger_s`` more.
-- :func:`fetch_state`: ask a peer for a fragment's state and reassemble its chunks
-  (:mod:`atoll.protocol.statesync`), bounded by a timeout.
+- :func:`fetch_pieces`: copy a fragment's certified state from several donors at once,
+  piece by piece, each piece checked as it arrives (the
+  :class:`~atoll.protocol.statefetch.StateFetch` planner), bounded by a timeout;
+  :func:`serve_pieces` answers a joiner's index and piece requests.
+- :func:`fetch_state`: ask one peer for a fragment's whole state and reassemble its
+  chunks (:mod:`atoll.protocol.statesync`), bounded by a timeout; :func:`serve_state`
+  answers it. The node's syncs copy with :func:`fetch_pieces`; a node still answers this
+  single-stream request.
 - :func:`ask_attestations`: ask a peer for the sealed attestations it holds of one
   state (:class:`~atoll.protocol.certificate.AttestationRequest`), bounded by a timeout.
 
@@ -47,6 +53,8 @@ from atoll.dht.records import ReadyRecord
 from atoll.node.net.seam import ReadyBoard, RoundTransport
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
+from atoll.protocol import statefetch as sf
+from atoll.protocol import statepieces as sp
 from atoll.protocol import statesync as ss
 from atoll.protocol.certificate import (
     AttestationReply,
@@ -64,11 +72,14 @@ __all__ = [
     "RoundTraffic",
     "RoundTransport",
     "ask_attestations",
+    "fetch_pieces",
     "fetch_state",
     "key_of",
     "run_allreduce",
     "run_matchmaking",
     "serve_attestations",
+    "serve_pieces",
+    "serve_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,6 +96,8 @@ def key_of(msg: object) -> Key | None:
         return ("mm", msg.run_id, msg.fragment, msg.slot)
     if isinstance(msg, ss.StateChunk):
         return ("state", msg.run_id, msg.fragment, msg.sender)
+    if isinstance(msg, sp.StateIndex | sp.StatePiece):
+        return ("pieces", msg.run_id, msg.fragment, msg.version, msg.digest)
     if isinstance(msg, AttestationReply):
         return ("cert", msg.run_id, msg.fragment, msg.version, msg.digest, msg.sender)
     return None
@@ -93,6 +106,8 @@ def key_of(msg: object) -> Key | None:
 def _size(msg: object) -> int:
     payload = getattr(msg, "payload", b"")
     size = 256 + (len(payload) if isinstance(payload, bytes) else 0)
+    hashes = getattr(msg, "hashes", b"")  # a state index's piece hashes
+    size += len(hashes) if isinstance(hashes, bytes) else 0
     for name in ("payloads", "seals"):  # an all-reduce Evidence's parts, a reply's seals
         items = getattr(msg, name, ())
         if isinstance(items, tuple):
@@ -423,7 +438,7 @@ async def _drive(
     while True:
         outcome = None
         for action in actions:
-            if isinstance(action, mm.Send | ar.Send):
+            if isinstance(action, mm.Send | ar.Send | sf.Send):
                 runner.send(action.to, action.message)
             else:
                 outcome = action
@@ -466,6 +481,8 @@ async def run_matchmaking(
     banned: Callable[[str], bool] | None = None,
     outdated: Callable[[], str | None] | None = None,
     hold: Callable[[float], None] | None = None,
+    step_period: int = 0,
+    max_step_lag: int = 0,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -490,14 +507,22 @@ async def run_matchmaking(
     deadline once the matchmaker waits with patience (peers due at the slot have not
     declared yet, or a leader took this node in), and with 0 when matchmaking ends: the
     trainer blocks meanwhile, so a node that runs ahead of the swarm falls back in step
-    (see :meth:`~atoll.node.net.bridge.NetworkBridge.wait`).
+    (see :meth:`~atoll.node.net.bridge.NetworkBridge.wait`). ``step_period`` and
+    ``max_step_lag``: the matchmaker's check that groupmates are in step (its "In step").
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
     now = trio.current_time()
     settings_of = settings if callable(settings) else (lambda: settings)
     machine = mm.Matchmaker(
-        me, settings_of(), now=now, timeout=timeout_s, answer_s=answer_s, patience=patience_s
+        me,
+        settings_of(),
+        now=now,
+        timeout=timeout_s,
+        answer_s=answer_s,
+        patience=patience_s,
+        step_period=step_period,
+        max_step_lag=max_step_lag,
     )
     outcome: mm.Formed | mm.Alone | None = None
     mailbox.open(key, send_ch)
@@ -748,6 +773,81 @@ async def serve_state(
             await host.send(peer, chunk)
     except (AtollError, CodecError) as e:
         logger.info("serving fragment %d to %s failed: %s", request.fragment, peer, e)
+
+
+async def fetch_pieces(
+    host: RoundTransport,
+    mailbox: Mailbox,
+    fetch: sf.StateFetch,
+    *,
+    timeout_s: float,
+    liveness: Liveness | None = None,
+) -> sf.Finished | sf.GaveUp:
+    """Run ``fetch`` (a multi-source copy of one state) over ``host`` until it ends, at
+    most ``timeout_s``: the planner's requests go out in parallel tasks (a failed send
+    drops that donor), every reply from any donor is routed here by (run, fragment,
+    version, digest), and each donor's silence is bounded by the planner's own timeout.
+    Never raises for what a donor does; its drops are in ``fetch.dropped``."""
+    key = ("pieces", fetch.run_id, fetch.fragment, *fetch.target)
+    room = 2 * fetch.max_donors * (fetch.window * fetch.per_request + 1) + 16
+    send_ch, events = trio.open_memory_channel[Event](room)
+    mailbox.open(key, send_ch)
+    try:
+        async with trio.open_nursery() as nursery:
+            runner = _Runner(host, nursery, send_ch, liveness=liveness)
+            with trio.move_on_after(timeout_s):
+                outcome = await _drive(fetch, fetch.start(trio.current_time()), events, runner)
+                nursery.cancel_scope.cancel()  # requests still being sent are moot now
+                assert isinstance(outcome, sf.Finished | sf.GaveUp)
+                return outcome
+            nursery.cancel_scope.cancel()
+    finally:
+        mailbox.close(key)
+    return sf.GaveUp(
+        f"took over {timeout_s:g} s ({fetch.verified} of {fetch.count} pieces verified)"
+    )
+
+
+async def serve_pieces(
+    host: RoundTransport,
+    peer: str,
+    request: sp.StateIndexRequest | sp.StatePieceRequest,
+    source: sp.PieceSource | None,
+    *,
+    step: int,
+    reason: str = "",
+) -> None:
+    """Answer a joiner's index or piece request from ``source``, the state this node holds
+    (None, or another state than the one asked for: a refusal with ``reason``); a piece
+    request past the state or over :data:`~atoll.protocol.statepieces.
+    MAX_PIECES_PER_REQUEST` pieces is refused too. Errors are logged."""
+    me = host.peer_id
+    state = (request.run_id, request.fragment, request.version, request.digest)
+    held = source is not None and source.holds(request.version, request.digest)
+    why = reason or "this state is not held here"
+    try:
+        if isinstance(request, sp.StateIndexRequest):
+            if source is None or not held:
+                await host.send(peer, sp.StateIndex(me, *state, 0, 0, b"", why))
+            else:
+                await host.send(
+                    peer, sp.StateIndex(me, *state, step, len(source.data), source.hashes)
+                )
+            return
+        first, count = request.first, request.count
+        if source is None or not held:
+            await host.send(peer, sp.StatePiece(me, *state, first, b"", why))
+            return
+        if not (
+            first >= 0 and 1 <= count <= sp.MAX_PIECES_PER_REQUEST and first + count <= source.count
+        ):
+            why = f"no pieces {first}..{first + count - 1} of {source.count}"
+            await host.send(peer, sp.StatePiece(me, *state, first, b"", why))
+            return
+        for i in range(first, first + count):
+            await host.send(peer, sp.StatePiece(me, *state, i, source.piece(i)))
+    except (AtollError, CodecError) as e:
+        logger.info("serving pieces of fragment %d to %s failed: %s", request.fragment, peer, e)
 
 
 # --------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ the machine says           the driver does
 =========================  ===========================================================
 ``FindGroup``              :func:`~atoll.node.net.rounds.run_matchmaking` at the slot
 ``RunRound``               :func:`~atoll.node.net.rounds.run_allreduce` in the group
-``FetchState``             :func:`~atoll.node.net.rounds.fetch_state` from that holder
+``FetchState``             :func:`~atoll.node.net.rounds.fetch_pieces` from its holders
 ``SyncDone``               returns it
 =========================  ===========================================================
 
@@ -46,6 +46,15 @@ out, and the declarations a slot showed of banned peers are not followed.
 :attr:`Syncer.tamper` is attack injection (benchmarks and tests): see
 :class:`~atoll.protocol.sync.FragmentSync`.
 
+State copies. A rebase copies the certified state from up to three of its holders at
+once, piece by piece (:class:`~atoll.protocol.statefetch.StateFetch`, each piece checked
+against its hash as it arrives; a donor silent for the answer bound is dropped and its
+pieces asked of another, the whole copy bounded by ``round_s``). A donor whose piece or
+piece list fails its check is struck (``state``). The syncer serves its own states the
+same way: the encoding and piece hashes of a state are computed once, off the event
+loop, and kept for the next joiners while the engine holds that state
+(:data:`MAX_SOURCES` fragments at most).
+
 It depends only on the seams of :mod:`atoll.node.net.seam`, so the same driver runs a
 node's syncs over libp2p and a test's over :mod:`atoll.node.net.memory` under a fake
 clock. It also answers peers' state requests (:meth:`Syncer.serve_request`).
@@ -69,15 +78,18 @@ from atoll.node.net.rounds import (
     Mailbox,
     RoundTraffic,
     ask_attestations,
-    fetch_state,
+    fetch_pieces,
     run_allreduce,
     run_matchmaking,
     serve_attestations,
+    serve_pieces,
     serve_state,
 )
 from atoll.node.net.seam import ReadyBoard, RoundTransport
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
+from atoll.protocol import statefetch as sf
+from atoll.protocol import statepieces as sp
 from atoll.protocol import statesync as ss
 from atoll.protocol import sync as fs
 from atoll.protocol.certificate import (
@@ -95,6 +107,7 @@ from atoll.protocol.strikes import Strikes, reason_of_failure, self_accused
 __all__ = [
     "ASK_BACKOFF_S",
     "MAX_ASKED",
+    "MAX_SOURCES",
     "FaultHook",
     "Offload",
     "SyncReport",
@@ -112,6 +125,12 @@ CERTIFY_IN_SYNC_S = 0.5
 of states not found by then go on in the background watch; a sync that started late for
 them would miss its group)"""
 
+MAX_STEP_LAG_SYNCS = 4
+"""How far apart (in H, the steps between two syncs of a fragment) the inner steps of two
+groupmates may be: the peers of a swarm stay within about one sync interval of each other
+(holds and jumps keep them there; a split's sides drift apart by their speed difference),
+so a peer further away than this holds a schedule, learning rate and data position that
+are not the swarm's (the matchmaker's "In step")."""
 READY_TTL_SLACK_S = 10.0
 """a ready record lives 2 x matchmaking_s plus this"""
 
@@ -125,6 +144,9 @@ ASK_BACKOFF_S = 30.0
 """How long a peer that left an attestation request unanswered (within the answer bound)
 is not asked again: a silent declarer of a state costs a sync one answer bound now and
 then, not every time."""
+
+MAX_SOURCES = 2
+"""Most fragments whose served encoding (8 bytes per value) a node keeps for joiners."""
 
 Attested = Callable[[int, int, str], bytes | None]
 """``(fragment, version, digest) -> this node's sealed attestation of it, or None``."""
@@ -229,6 +251,9 @@ class Syncer:
         """peers that left a request unanswered -> when they may be asked again"""
         self.lock = trio.Lock()
         """one engine call at a time"""
+        self._sources: dict[int, sp.PieceSource] = {}
+        """fragment -> the encoding served to joiners (newest last)"""
+        self._source_lock = trio.Lock()
         self.step = 0
         """the newest inner step this node reported (handed to peers that copy a state)"""
         self.on_hold = on_hold
@@ -574,22 +599,52 @@ class Syncer:
             banned=self._banned if self.strikes is not None else None,
             outdated=outdated,
             hold=None if self.on_hold is None else functools.partial(self.on_hold, me.fragment),
+            step_period=self.engine.config.H,
+            max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
         )
 
     async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:
+        """Copy the state from up to three of its holders at once (see the module
+        docstring); strike the donors caught sending what fails its check."""
+        p, target = action.fragment, action.target
+        donors = [d for d in (action.peers or (action.peer,)) if not self._banned(d)]
         try:
-            state = await fetch_state(
-                self.transport,
-                self.mailbox,
-                action.peer,
-                self.run_id,
-                action.fragment,
-                action.numel,
-                timeout_s=self.timeouts.round_s,
+            fetch = sf.StateFetch(
+                me=self.transport.peer_id,
+                run_id=self.run_id,
+                fragment=p,
+                target=target,
+                numel=action.numel,
+                donors=donors,
+                timeout_s=answer_bound(self.timeouts),
             )
         except AtollError as e:
-            return machine.fetch_failed(str(e))
-        return await self.engine_call(machine.fetched, state)
+            return machine.fetch_failed(str(e), everyone=True)
+        liveness = self.peers.liveness
+        outcome = await fetch_pieces(
+            self.transport,
+            self.mailbox,
+            fetch,
+            timeout_s=self.timeouts.round_s,
+            liveness=liveness,
+        )
+        now = trio.current_time()
+        for drop in fetch.dropped:
+            if drop.hostile and self.strikes is not None:
+                self.strikes.strike(
+                    drop.peer, "state", f"fragment {p} version {target[0]}: {drop.reason}"
+                )
+            elif drop.silent:
+                liveness.failed(drop.peer, now, f"a state request timed out: {drop.reason}")
+        if isinstance(outcome, sf.GaveUp):
+            return machine.fetch_failed(outcome.reason, everyone=True)
+        logger.info(
+            "fragment %d: copied version %d from %s",
+            p,
+            target[0],
+            ", ".join(d[-6:] for d in outcome.donors) or "nobody",
+        )
+        return await self.engine_call(machine.fetched, outcome.state)
 
     async def _holdings(self, p: int, seen: dict[str, tuple[int, str]]) -> list[fs.Holding]:
         """The live records' holdings of ``p``, updated by what the slot's declarations
@@ -643,6 +698,10 @@ class Syncer:
         if isinstance(msg, AttestationRequest):
             await serve_attestations(self.transport, sender, msg, self._seals_of(msg))
             return
+        if isinstance(msg, sp.StateIndexRequest | sp.StatePieceRequest):
+            source = await self._source(msg.run_id, msg.fragment, msg.version, msg.digest)
+            await serve_pieces(self.transport, sender, msg, source, step=self.step)
+            return
         if not isinstance(msg, ss.StateRequest):
             logger.info("peer %s sent an unexpected %s", sender, type(msg).__name__)
             return
@@ -651,6 +710,35 @@ class Syncer:
             return
         state = await self.engine_call(self.engine.export_fragment, msg.fragment, self.step)
         await serve_state(self.transport, sender, msg, state)
+
+    async def _source(
+        self, run_id: str, p: int, version: int, digest: str
+    ) -> sp.PieceSource | None:
+        """What this node serves of fragment ``p``'s state ``(version, digest)``: its
+        encoding and piece hashes, made once (off the event loop) and kept while the
+        engine holds that state; None when it holds another."""
+        if run_id != self.run_id or not 0 <= p < self.engine.num_fragments:
+            return None
+        async with self._source_lock:
+            mine = await self.engine_call(self._mine, p)
+            source = self._sources.get(p)
+            if source is not None and not source.holds(*mine):
+                del self._sources[p]  # the engine moved on: the old encoding is not served
+                source = None
+            if mine != (version, digest):
+                return None
+            if source is None:
+                state = await self.engine_call(self.engine.export_fragment, p, self.step)
+                source = await self.offload(sp.PieceSource.of, state)
+                if not source.holds(version, digest):  # cannot happen: the engine's own
+                    logger.warning("fragment %d: the served state's digest differs", p)
+                    return None
+                self._sources[p] = source
+                while len(self._sources) > MAX_SOURCES:
+                    del self._sources[next(iter(self._sources))]
+            else:  # newest last
+                self._sources[p] = self._sources.pop(p)
+            return source
 
     def _seals_of(self, request: AttestationRequest) -> list[bytes]:
         """The seals this node holds of exactly the requested state: its own attestation,

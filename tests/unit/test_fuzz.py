@@ -45,7 +45,7 @@ from atoll.dht.records import (
 )
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
 from atoll.node.net.transport import FrameBudget, read_frames
-from atoll.protocol import allreduce, matchmaking, statesync
+from atoll.protocol import allreduce, matchmaking, statepieces, statesync
 from atoll.protocol.codecs import CODEC_NAMES, Codec, make_codec
 from atoll.protocol.errors import CodecError, ConfigError, RejectedInput
 from atoll.protocol.messages import (
@@ -104,6 +104,10 @@ MESSAGES: list[type] = [
     matchmaking.Disband,
     statesync.StateRequest,
     statesync.StateChunk,
+    statepieces.StateIndexRequest,
+    statepieces.StateIndex,
+    statepieces.StatePieceRequest,
+    statepieces.StatePiece,
 ]
 
 

@@ -32,6 +32,7 @@ from atoll.node.net.rounds import Mailbox
 from atoll.node.net.syncer import Syncer, SyncReport, answer_bound, inline
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
+from atoll.protocol import statepieces as sp
 from atoll.protocol import statesync as ss
 from atoll.protocol.certificate import (
     Attestation,
@@ -67,6 +68,7 @@ class NamedVerifier:
 
 
 RUN = "ab" * 32
+STATE_REQUESTS = (ss.StateRequest, sp.StateIndexRequest, sp.StatePieceRequest)
 N = 2000
 TIMEOUTS = Timeouts(dial_s=2.0, matchmaking_s=6.0, part_s=8.0, round_s=15.0, apply_wait_s=1.0)
 GROUP = GroupSettings(min_quorum=2, max_size=8, grace_s=1.0)
@@ -289,7 +291,7 @@ def test_a_node_behind_rebases_and_a_holder_killed_mid_transfer_is_passed_over()
 
             def kill_first_server(sender: str, to: str, msg: object) -> None:
                 # the first holder asked dies after its first chunk reached the late node
-                if isinstance(msg, ss.StateChunk) and to == "peer-late":
+                if isinstance(msg, sp.StatePiece) and to == "peer-late":
                     chunks_from[sender] = chunks_from.get(sender, 0) + 1
                     if len(chunks_from) == 1 and not net.is_dead(sender):
                         net.kill(sender)
@@ -305,7 +307,7 @@ def test_a_node_behind_rebases_and_a_holder_killed_mid_transfer_is_passed_over()
             assert done.rebased and done.applied and done.round_status == "alone"
             assert late.state() == ahead and late.engine.pending(0) is None
             assert late.changes == [(0, "rebase")]
-            assert len(chunks_from) == 2  # the second holder served it
+            assert len(chunks_from) >= 2  # the other holders served the rest
             # the dead holder cost at most the fetch timeout, not a hang (matchmaking waited
             # its patience too: the two others hold version 1 and were expected at the slot)
             assert trio.current_time() - t0 <= TIMEOUTS.round_s + 2 * TIMEOUTS.matchmaking_s + 1
@@ -770,7 +772,7 @@ def test_a_liar_claiming_a_huge_version_is_never_fetched_from_and_rounds_go_on()
                 assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
                 assert len({n.state() for n in nodes}) == 1
             assert nodes[0].state()[0] == start[0] + 3
-            assert not [m for m in asked if isinstance(m, ss.StateRequest)]
+            assert not [m for m in asked if isinstance(m, STATE_REQUESTS)]
             # each node asks the silent liar for its attestations once, then leaves it be
             assert len([m for m in asked if isinstance(m, AttestationRequest)]) <= len(nodes)
             # three syncs: three trainings and three prompt rounds, no waiting on the liar
@@ -903,7 +905,7 @@ def test_forged_or_foreign_seals_from_a_holder_make_no_state_believed() -> None:
             services.start_soon(answer_with_lies)
             fetched: list[object] = []
             net.on_deliver = lambda sender, to, msg: (
-                fetched.append(msg) if to == liar and isinstance(msg, ss.StateRequest) else None
+                fetched.append(msg) if to == liar and isinstance(msg, STATE_REQUESTS) else None
             )
             late = await _node(net, directory, "peer-late", services, initial=np.zeros(N))
             await late.syncer.peers.refresh()

@@ -8,7 +8,7 @@ import typing
 import msgpack
 import pytest
 
-from atoll.protocol import allreduce, certificate, matchmaking, partseal, statesync
+from atoll.protocol import allreduce, certificate, matchmaking, partseal, statepieces, statesync
 from atoll.protocol.errors import CodecError
 from atoll.protocol.messages import (
     PROTOCOL_VERSION,
@@ -42,6 +42,10 @@ MESSAGES = [
     matchmaking.Disband,
     statesync.StateRequest,
     statesync.StateChunk,
+    statepieces.StateIndexRequest,
+    statepieces.StateIndex,
+    statepieces.StatePieceRequest,
+    statepieces.StatePiece,
     certificate.AttestationRequest,
     certificate.AttestationReply,
     partseal.PartStatement,
