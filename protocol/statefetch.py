@@ -14,7 +14,8 @@ from a swarm (BEP 3), each piece checked as it arrives:
 2. A donor's index is checked against the certified digest
    (:func:`~atoll.protocol.statepieces.check_index`). From then on it is *ready*: it gets
    requests for runs of at most ``per_request`` pieces, at most ``window`` requests in
-   flight, the next pieces nobody has (a faster donor therefore serves more).
+   flight, the next pieces nobody has (a faster donor therefore serves more; runs are
+   shorter for a small state, so that all donors get a share).
 3. Each piece is checked against its hash. A donor whose index or piece fails its check
    is dropped as *hostile* (:attr:`StateFetch.dropped`, for the node's strike ledger); a
    donor that refuses, whose send failed, or from which nothing arrived for
@@ -155,9 +156,11 @@ class StateFetch:
         self.timeout_s = timeout_s
         self.max_donors = max_donors
         self.window = window
-        self.per_request = per_request
         self.total = ss.state_bytes(numel)
         self.count = ss.pieces_in(self.total)
+        self.per_request = min(per_request, -(-self.count // (max_donors * window)))
+        """runs short enough that the first donor to answer cannot take every piece of
+        a small state before the others are ready"""
         if self.count > sp.MAX_PIECES:
             raise ConfigError(f"a state of {self.count} pieces is over {sp.MAX_PIECES}")
         self._spares = deque(donor_order(me, donors))

@@ -13,6 +13,7 @@ engine unchanged, whatever dies when; no test waits on the wall clock.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from atoll.node.net.rounds import Mailbox
 from atoll.node.net.syncer import Syncer, SyncReport, answer_bound, inline
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
+from atoll.protocol import statefetch as sf
 from atoll.protocol import statepieces as sp
 from atoll.protocol import statesync as ss
 from atoll.protocol.certificate import (
@@ -45,6 +47,7 @@ from atoll.protocol.engine import EngineConfig, OuterEngine
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings, RobustSettings, Timeouts
 from atoll.protocol.schedule import Schedule
+from atoll.protocol.strikes import Strikes
 from atoll.security.identity import Identity, generate
 
 _IDENTITIES: dict[str, Identity] = {}
@@ -965,6 +968,139 @@ def test_a_slots_old_declaration_does_not_hide_its_peers_newer_record() -> None:
             other = (new[0], "ab" * 16)
             known = {p: (v, d) for p, v, d in me._known(0, {"peer-1": other})}
             assert known["peer-1"] == other  # a declaration as new as the record counts
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+# --------------------------------------------------------------------------------------
+# multi-source state copies
+# --------------------------------------------------------------------------------------
+COPY_N = 11 * ss.PIECE_BYTES // 8  # a state of twelve pieces (the last one short)
+
+
+async def _copy_swarm(
+    net: MemoryNetwork, services: trio.Nursery, n: int = 4
+) -> tuple[list[Node], Node, tuple[int, str], list[str]]:
+    """``n`` nodes that committed one round of a twelve-piece state, a late node that has
+    not, with a strike ledger; and the order in which the late node ranks the donors."""
+    directory, nodes = await _swarm(net, services, n, numel=COPY_N, codec="fp32")
+    await _sync_all(nodes, _locals(n, numel=COPY_N), 3)
+    ahead = nodes[0].state()
+    assert ahead[0] == 1 and all(node.state() == ahead for node in nodes)
+    await trio.sleep(1.0)  # the members' attestations are published
+    late = await _node(
+        net, directory, "peer-late", services, initial=np.zeros(COPY_N, np.float32), codec="fp32"
+    )
+    late.syncer.strikes = Strikes(clock=trio.current_time)
+    await late.syncer.peers.refresh()
+    return nodes, late, ahead, sf.donor_order(late.peer, [node.peer for node in nodes])
+
+
+def _count_pieces(net: MemoryNetwork, to: str) -> Counter[str]:
+    """Pieces delivered to ``to``, per sender, from now on."""
+    pieces: Counter[str] = Counter()
+
+    def count(sender: str, dest: str, msg: object) -> None:
+        if dest == to and isinstance(msg, sp.StatePiece) and msg.payload:
+            pieces[sender] += 1
+
+    net.on_deliver = count
+    return pieces
+
+
+def test_a_joiner_copies_from_three_donors_at_once() -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _nodes, late, ahead, order = await _copy_swarm(net, services)
+            pieces = _count_pieces(net, late.peer)
+            done = await late.syncer.catch_up(0)
+            assert done.rebased and late.state() == ahead
+            assert set(pieces) == set(order[:3])  # the three first in its own order
+            assert sum(pieces.values()) == ss.pieces_in(ss.state_bytes(COPY_N))
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_donor_that_sends_a_bad_piece_is_struck_and_the_others_serve_it() -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            nodes, late, ahead, order = await _copy_swarm(net, services)
+            liar = next(node for node in nodes if node.peer == order[0])
+            honest = liar.syncer.serve_request
+            total = ss.state_bytes(COPY_N)
+
+            async def lying(sender: str, msg: object) -> None:
+                if not isinstance(msg, sp.StatePieceRequest):
+                    return await honest(sender, msg)
+                for i in range(msg.first, msg.first + msg.count):
+                    size = min(ss.PIECE_BYTES, total - i * ss.PIECE_BYTES)
+                    bad = sp.StatePiece(
+                        liar.peer, RUN, 0, msg.version, msg.digest, i, b"\x01" * size
+                    )
+                    await liar.syncer.transport.send(sender, bad)
+
+            liar.syncer.serve_request = lying  # type: ignore[method-assign]
+            pieces = _count_pieces(net, late.peer)
+            done = await late.syncer.catch_up(0)
+            assert done.rebased and late.state() == ahead
+            strikes = late.syncer.strikes
+            assert strikes is not None and strikes.banned(liar.peer)
+            assert [s.reason for s in strikes.strikes_of(liar.peer)] == []  # a ban clears them
+            ban = strikes.ban_of(liar.peer)
+            assert ban is not None and ban.reason.startswith("state: fragment 0 version 1")
+            assert not any(strikes.banned(p) for p in order[1:])
+            # the two other donors asked served the rest (the spare, asked once the liar
+            # was dropped, may find every piece taken)
+            assert set(order[1:3]) <= set(pieces) - {liar.peer} <= set(order[1:])
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_slow_donor_is_dropped_within_the_answer_bound_and_a_spare_serves() -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _nodes, late, ahead, order = await _copy_swarm(net, services)
+            bound = answer_bound(TIMEOUTS)
+            net.link_delay_s[(order[0], late.peer)] = 4 * bound
+            pieces = _count_pieces(net, late.peer)
+            t0 = trio.current_time()
+            done = await late.syncer.catch_up(0)
+            assert done.rebased and late.state() == ahead
+            assert trio.current_time() - t0 < bound + 1.0
+            assert pieces[order[0]] == 0 and set(order[1:3]) <= set(pieces) <= set(order[1:])
+            strikes = late.syncer.strikes
+            assert strikes is not None and strikes.total == 0  # slow is no offence
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+@pytest.mark.parametrize("fault", ["silence", "kill"])
+def test_a_donor_that_goes_silent_or_dies_mid_copy_hands_its_pieces_on(fault: str) -> None:
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _nodes, late, ahead, order = await _copy_swarm(net, services, 3)
+            victim = order[0]
+            pieces: Counter[str] = Counter()
+
+            def strike_down(sender: str, to: str, msg: object) -> None:
+                if to == late.peer and isinstance(msg, sp.StatePiece):
+                    pieces[sender] += 1
+                    if sender == victim and pieces[victim] == 1:
+                        getattr(net, fault)(victim)
+
+            net.on_deliver = strike_down
+            t0 = trio.current_time()
+            done = await late.syncer.catch_up(0)
+            assert done.rebased and late.state() == ahead
+            assert pieces[victim] == 1 and sum(pieces.values()) > pieces[victim]
+            # at most one answer bound lost to the victim
+            assert trio.current_time() - t0 < answer_bound(TIMEOUTS) + 1.0
+            strikes = late.syncer.strikes
+            assert strikes is not None and strikes.total == 0
             services.cancel_scope.cancel()
 
     _run(main)
