@@ -57,6 +57,7 @@ from atoll.protocol.engine import merge
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.fragments import plan_fragments
 from atoll.protocol.manifest import RunManifest, Timeouts
+from atoll.protocol.matchmaking import OUT_OF_STEP
 from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.streaming import StreamingLoop
@@ -99,7 +100,9 @@ class NodeSummary:
     rebases: int
     waits_run_out: int
     steps_jumped: int
-    """steps skipped after a rebase found the swarm further ahead in time"""
+    """steps skipped after a rebase found the swarm further ahead in time (or moved, back
+    or forth, to the swarm's step after its peers refused this node as out of step)"""
+    realigned: int
     waits_held: int
     """waits made longer because the node reached a slot before its peers (it waited
     for them there instead of running ahead)"""
@@ -347,10 +350,13 @@ def _train(
     # node there (matchmaking's patience holds their trainers), and a jump to the serving
     # peer's step (the fastest peer's, often) would have it arrive first at the next slot
     lag_allowed = schedule.H // schedule.fragments
+    realign_to = -1  # its peers refused this node as out of step: their step
     while run.step < run.end and not stop.by:
-        if jump_to > run.step + lag_allowed:
+        if realign_to >= 0 and realign_to != run.step:
+            run.realign(realign_to, extend=bool(cfg.steps))
+        elif jump_to > run.step + lag_allowed:
             run.jump(jump_to, extend=bool(cfg.steps))
-        jump_to = 0
+        jump_to, realign_to = 0, -1
         compute_before = rep.timer.compute_s
         run.losses.append(rep.train_step(run.step))
         if cfg.slowdown > 1.0:  # a slow peer (tests, benchmarks): NodeConfig.slowdown
@@ -360,6 +366,10 @@ def _train(
             if outcome.applied and outcome.reason.startswith("rebased"):
                 # the swarm got ahead in time, not only in versions: rejoin its rounds
                 jump_to = max(jump_to, bridge.status.swarm_step)
+            elif OUT_OF_STEP in outcome.reason:
+                # its schedule, learning rate and data position are not the swarm's (a
+                # checkpoint of a wrong step, say): move to the step of the refusing peers
+                realign_to = bridge.status.swarm_step
         run.step += 1
         bridge.note_step(run.step)  # peers that copy a state from here start at this step
         if ckpts is not None:
@@ -490,6 +500,8 @@ class _Run:
     losses: list[float] = field(default_factory=list)
     jumped: int = 0
     """steps skipped to meet the swarm"""
+    realigned: int = 0
+    """times the node moved to its peers' step after they refused it as out of step"""
     t0: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -506,6 +518,23 @@ class _Run:
             self.end += to - self.step
         target = min(to, self.end - 1)
         self.jumped += target - self.step
+        self.step = target
+
+    def realign(self, to: int, *, extend: bool) -> None:
+        """Move to the step ``to`` of the peers that refused this node as out of step,
+        back or forth (never past the last step); ``extend`` as for :meth:`jump`."""
+        logger.warning(
+            "step %d: the swarm's peers are at step %d and refused this node as out of "
+            "step (its learning-rate schedule, fragment phase and data position follow "
+            "the step); moving there",
+            self.step,
+            to,
+        )
+        if extend:
+            self.end += to - self.step
+        target = max(0, min(to, self.end - 1))
+        self.jumped += abs(target - self.step)
+        self.realigned += 1
         self.step = target
 
     def progress(self, rep: Replica, bridge: NetworkBridge, log_every: int) -> dict[str, Any]:
@@ -572,6 +601,7 @@ class _Run:
             rebases=status.rebases,
             waits_run_out=waits_run_out,
             steps_jumped=self.jumped,
+            realigned=self.realigned,
             waits_held=bridge.stats.held,
             stopped_by=stopped_by,
             global_digest=global_digest,

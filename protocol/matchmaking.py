@@ -88,6 +88,17 @@ follower whose leader disbands it for lack of a quorum looks for another leader 
 its own time lasts; one whose leader is lost gives up at once, so that it never sits in
 the lists of two live leaders.
 
+In step. A peer's learning-rate schedule, fragment phase and data position are all
+functions of its inner step, and a group must agree on them as it agrees on the state
+(a node restored from a checkpoint with a wrong step, say, would average a Δ taken at
+another point of the schedule). With ``step_period`` set (the run's H) every peer states
+the step at which it started the sync in its JoinRequest, JoinAccept and Disband; a
+leader refuses a requester, and a follower drops a leader, whose step is not in phase
+(the difference is not a multiple of H: the fragment's syncs fall at other steps) or lies
+more than ``max_step_lag`` steps away (an :data:`OUT_OF_STEP` Disband naming its own
+step). A peer refused so ends :class:`Alone` with ``swarm_step``, the median of the steps
+of the peers that refused it, before it contributed anything.
+
 ``declared_at`` and ``weight`` are informative (logs, future staleness rules) and never
 decide anything. The machine trusts the ``sender`` field of messages: the driver checks it
 against the authenticated transport peer. Time is passed in as ``now`` (any monotonic
@@ -110,6 +121,7 @@ from atoll.protocol.messages import wire_message
 
 __all__ = [
     "MAX_REDIRECTS",
+    "OUT_OF_STEP",
     "Action",
     "Alone",
     "CompatKey",
@@ -130,6 +142,9 @@ __all__ = [
 
 MAX_REDIRECTS: int = 8
 """Most Redirects one peer follows in one slot; past that it gives up for the slot."""
+
+OUT_OF_STEP = "out of step"
+"""How a Disband for a step that does not fit begins (see "In step" above)."""
 
 _RANK_TAG = b"atoll/matchmaking/rank/v1"
 _ID_MAX = 128  # characters of a peer id, run id or digest on the wire
@@ -162,6 +177,9 @@ class Declaration:
     digest: str = field(metadata=_ID)
     weight: float
     declared_at: float
+    step: int = -1
+    """the inner step at which this peer started the sync (-1: not said); what it states
+    in its JoinRequest, JoinAccept and Disband messages (see "In step" above)"""
 
 
 CompatKey: TypeAlias = tuple[str, int, int, int, str]
@@ -203,7 +221,8 @@ def rank(d: Declaration) -> bytes:
 class JoinRequest:
     """``sender`` asks the receiver to take it into its group for this key.
 
-    ``weight`` is the sender's token count, informative.
+    ``weight`` is the sender's token count, informative; ``step`` the inner step at which
+    it started the sync (-1: not said).
     """
 
     sender: str = field(metadata=_ID)
@@ -213,12 +232,14 @@ class JoinRequest:
     version: int
     digest: str = field(metadata=_ID)
     weight: float
+    step: int = -1
 
 
 @wire_message(21)
 @dataclass(frozen=True, slots=True)
 class JoinAccept:
-    """The leader ``sender`` has taken the receiver in; a GroupFormed follows."""
+    """The leader ``sender`` has taken the receiver in; a GroupFormed follows. ``step``:
+    the leader's inner step at the start of its sync (-1: not said)."""
 
     sender: str = field(metadata=_ID)
     run_id: str = field(metadata=_ID)
@@ -226,6 +247,7 @@ class JoinAccept:
     slot: int
     version: int
     digest: str = field(metadata=_ID)
+    step: int = -1
 
 
 @wire_message(22)
@@ -279,6 +301,9 @@ class Disband:
     version: int
     digest: str = field(metadata=_ID)
     reason: str = field(metadata={"max_len": _REASON_MAX})
+    step: int = -1
+    """the sender's inner step at the start of its sync (-1: not said): with an
+    :data:`OUT_OF_STEP` reason, the step the receiver should have been near"""
 
 
 Message: TypeAlias = JoinRequest | JoinAccept | Redirect | GroupFormed | Disband
@@ -319,6 +344,9 @@ class Alone:
 
     reason: str
     withdrawn: bool = False
+    swarm_step: int = -1
+    """when peers refused this one for being out of step: the median of their steps (the
+    driver moves its trainer there); -1 otherwise"""
 
 
 Action: TypeAlias = Send | Formed | Alone
@@ -360,6 +388,8 @@ def _declaration_problem(d: object) -> str | None:
         return f"weight must be finite and >= 0, not {d.weight!r}"
     if not _is_num(d.declared_at):
         return f"declared_at must be finite, not {d.declared_at!r}"
+    if not _is_int(d.step) or d.step < -1:
+        return f"step must be an integer >= -1, not {d.step!r}"
     return None
 
 
@@ -389,6 +419,9 @@ class Matchmaker:
         answer_s: how long a silent leader is waited for (None: until the deadline).
         patience: seconds the deadline may move once, while peers are expected at this
             slot or a leader accepted this peer (0: never; see the module docstring).
+        step_period: the run's H: peers whose steps differ by other than a multiple of it
+            are out of phase (0: steps are not checked; see "In step").
+        max_step_lag: the most steps a groupmate's step may differ from this peer's.
 
     Raises:
         ConfigError: a malformed declaration, settings of the wrong type, or a time or
@@ -404,6 +437,8 @@ class Matchmaker:
         timeout: float,
         answer_s: float | None = None,
         patience: float = 0.0,
+        step_period: int = 0,
+        max_step_lag: int = 0,
     ) -> None:
         problem = _declaration_problem(me)
         if problem is not None:
@@ -418,6 +453,11 @@ class Matchmaker:
             raise ConfigError(f"answer_s must be finite and > 0, not {answer_s!r}")
         if not _is_num(patience) or patience < 0:
             raise ConfigError(f"patience must be finite and >= 0, not {patience!r}")
+        if not _is_int(step_period) or step_period < 0 or not _is_int(max_step_lag):
+            raise ConfigError("step_period and max_step_lag must be integers, step_period >= 0")
+        self.step_period = step_period
+        self.max_step_lag = max(0, max_step_lag)
+        self._refused_at: list[int] = []  # steps of the peers that refused ours
         self.patience = float(patience)
         self.answer_s = None if answer_s is None else float(answer_s)
         """how long a silent leader is waited for (None: until the timeout)"""
@@ -586,7 +626,10 @@ class Matchmaker:
         if not self._relevant(msg):
             return out
         if isinstance(msg, JoinRequest):
-            if _is_num(msg.weight) and msg.weight >= 0:
+            why = self._step_problem(msg.step)
+            if why is not None:
+                out.append(self._disband(msg.sender, f"{OUT_OF_STEP}: {why}"))
+            elif _is_num(msg.weight) and msg.weight >= 0:
                 out.extend(self._on_join(msg.sender, float(msg.weight), now))
         elif self._state in ("formed", "alone"):
             if isinstance(msg, JoinAccept) and msg.sender != self._leader:
@@ -621,12 +664,26 @@ class Matchmaker:
             self._keepalive_at = now + self._keepalive_s()
             m = self.me
             out.extend(
-                Send(f, JoinAccept(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest))
+                Send(
+                    f,
+                    JoinAccept(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, m.step),
+                )
                 for f in self._accepted
             )
         out.extend(self._decide(now))
         out.extend(self._release_held(now))
         return out
+
+    def _step_problem(self, step: object) -> str | None:
+        """Why a peer that started its sync at ``step`` may not share this group, or None."""
+        mine = self.me.step
+        if not self.step_period or mine < 0 or not isinstance(step, int) or step < 0:
+            return None
+        if (step - mine) % self.step_period:
+            return f"step {step} is out of phase with step {mine} (H = {self.step_period})"
+        if abs(step - mine) > self.max_step_lag:
+            return f"step {step} is {abs(step - mine)} steps from {mine}"
+        return None
 
     def _keepalive_s(self) -> float:
         return math.inf if self.answer_s is None else self.answer_s / 2
@@ -701,7 +758,9 @@ class Matchmaker:
         out.append(
             Send(
                 best,
-                JoinRequest(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, m.weight),
+                JoinRequest(
+                    self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, m.weight, m.step
+                ),
             )
         )
         return out
@@ -767,7 +826,15 @@ class Matchmaker:
         self._target = None
         self._quorum_at = None
         out.extend(self._release_held(self._deadline))
-        out.append(Alone(reason, withdrawn))
+        swarm_step = -1
+        if self._refused_at:
+            steps = sorted(self._refused_at)
+            swarm_step = steps[len(steps) // 2]
+            reason = (
+                f"{OUT_OF_STEP}: refused by {len(steps)} peer(s) at step {swarm_step}, "
+                f"this node started at {self.me.step}; then {reason}"
+            )
+        out.append(Alone(reason, withdrawn, swarm_step))
         return out
 
     # -- handlers --------------------------------------------------------------------------
@@ -802,7 +869,8 @@ class Matchmaker:
             m = self.me
             out: list[Action] = [
                 Send(
-                    sender, JoinAccept(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest)
+                    sender,
+                    JoinAccept(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, m.step),
                 )
             ]
             out.extend(self._maybe_form(now))
@@ -828,6 +896,15 @@ class Matchmaker:
         return out
 
     def _on_accept(self, msg: JoinAccept, now: float) -> list[Action]:
+        why = self._step_problem(msg.step)
+        if msg.sender == self._target and why is not None:
+            # a leader out of step with this peer: leave it and look again
+            self._excluded.add(msg.sender)
+            self._target = None
+            self._state = "searching"
+            out: list[Action] = [self._disband(msg.sender, f"{OUT_OF_STEP}: {why}")]
+            out.extend(self._decide(now))
+            return out
         if msg.sender == self._target:
             if self._state == "searching":
                 self._state = "following"
@@ -901,6 +978,14 @@ class Matchmaker:
 
     def _on_disband(self, msg: Disband, now: float) -> list[Action]:
         sender = msg.sender
+        if (
+            sender == self._target
+            and isinstance(msg.reason, str)
+            and msg.reason.startswith(OUT_OF_STEP)
+            and _is_int(msg.step)
+            and msg.step >= 0
+        ):
+            self._refused_at.append(msg.step)
         self._excluded.add(sender)
         self._held.pop(sender, None)
         if sender == self._target:
@@ -922,5 +1007,8 @@ class Matchmaker:
     def _disband(self, to: str, reason: str) -> Send:
         m = self.me
         return Send(
-            to, Disband(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, _clip(reason))
+            to,
+            Disband(
+                self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, _clip(reason), m.step
+            ),
         )

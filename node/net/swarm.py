@@ -270,6 +270,10 @@ class _Node:
             swarm_step = max(self.status.swarm_step, done.state_step)
             # before the outcome, on the same pipe: the trainer may jump to the swarm's step
             self.post(swarm_step=swarm_step)
+        elif done.swarm_step is not None:
+            # its peers refused it as out of step: the trainer moves to their step, back
+            # or forth (before the outcome, on the same pipe)
+            self.post(swarm_step=done.swarm_step)
         return SyncOutcome(p, step, done.applied, done.round, done.reason)
 
     async def catch_up(self) -> int:

@@ -892,3 +892,89 @@ def test_a_follower_that_withdraws_tells_its_leader_and_a_formed_peer_stays_form
     out = m.receive(request(decl(a)), now=0.5)
     assert [type(x) for x in outcome(out)] == [Formed]
     assert m.withdraw("lost", now=1.0) == [] and m.state == "formed"
+
+
+# --------------------------------------------------------------------------------------
+# in step: a groupmate's inner step must be in phase and near this peer's
+# --------------------------------------------------------------------------------------
+H_STEPS = 12
+LAG = 4 * H_STEPS
+
+
+def _stepped(peer: str, step: int, *, now: float = 0.0) -> Matchmaker:
+    return Matchmaker(
+        dataclasses.replace(decl(peer), step=step),
+        GroupSettings(min_quorum=2, max_size=4, grace_s=0.0),
+        now=now,
+        timeout=TIMEOUT,
+        step_period=H_STEPS,
+        max_step_lag=LAG,
+    )
+
+
+def _run_pair(leader_step: int, follower_step: int) -> tuple[list[Action], list[Action]]:
+    """A leader and a follower (by rank) exchange messages until neither sends; both are
+    then driven to their deadline. The outcomes of each."""
+    low, high = by_rank(["p-a", "p-b"])
+    machines = {low: _stepped(low, leader_step), high: _stepped(high, follower_step)}
+    results: dict[str, list[Action]] = {low: [], high: []}
+    queue: list[tuple[str, Message]] = []
+    for peer, m in machines.items():
+        other = high if peer == low else low
+        acts = m.observe([decl(other)], now=0.0)
+        results[peer] += acts
+        queue += sends(acts)
+    now = 0.0
+    while queue:
+        to, msg = queue.pop(0)
+        now += 0.01
+        acts = machines[to].receive(msg, now=now)
+        results[to] += acts
+        queue += sends(acts)
+    for peer, m in machines.items():
+        acts = m.tick(TIMEOUT + 1)
+        results[peer] += acts
+    return results[low], results[high]
+
+
+def test_a_requester_in_step_joins() -> None:
+    lead, follow = _run_pair(480, 480 - H_STEPS)
+    assert [type(o) for o in outcome(lead)] == [Formed]
+    assert [type(o) for o in outcome(follow)] == [Formed]
+
+
+@pytest.mark.parametrize(
+    ("follower_step", "why"),
+    [(0, "steps from"), (480 - 5 * H_STEPS, "steps from"), (474, "out of phase")],
+)
+def test_a_requester_out_of_step_is_refused_and_told_the_leaders_step(
+    follower_step: int, why: str
+) -> None:
+    lead, follow = _run_pair(480, follower_step)
+    (done,) = outcome(follow)
+    assert isinstance(done, Alone)
+    assert done.swarm_step == 480
+    assert done.reason.startswith("out of step: refused by 1 peer(s) at step 480")
+    refusals = [m for _, m in sends(lead) if isinstance(m, Disband)]
+    assert refusals and why in refusals[0].reason and refusals[0].step == 480
+    assert not any(isinstance(m, JoinAccept) for _, m in sends(lead))
+    assert not any(isinstance(o, Formed) for o in outcome(lead))
+
+
+def test_a_follower_drops_a_leader_out_of_step() -> None:
+    low, high = by_rank(["p-a", "p-b"])
+    follower = _stepped(high, 480)
+    asked = sends(follower.observe([decl(low)], now=0.0))
+    assert [(to, type(m)) for to, m in asked] == [(low, JoinRequest)]
+    accept = JoinAccept(low, RUN, FRAG, SLOT, VERSION, DIGEST, 0)
+    out = follower.receive(accept, now=0.1)
+    left = [m for to, m in sends(out) if to == low and isinstance(m, Disband)]
+    assert left and left[0].reason.startswith("out of step") and left[0].step == 480
+    assert follower.state == "leading"  # it looks again: nobody else, so it leads alone
+
+
+def test_steps_are_not_checked_when_a_peer_does_not_say() -> None:
+    _, follow = _run_pair(-1, 3)
+    assert [type(o) for o in outcome(follow)] == [Formed]
+    _, follow = _run_pair(480, -1)
+    assert [type(o) for o in outcome(follow)] == [Formed]
