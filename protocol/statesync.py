@@ -14,7 +14,10 @@ Pieces (sans-IO, numpy only):
 - :class:`FragmentState`: version, outer-optimizer step count, inner step of the server,
   the global copy and the momentum buffer, with :meth:`~FragmentState.encode` to bytes
   and :func:`decode_state` back; :meth:`~FragmentState.digest` is the hash declared in
-  the DHT and in matchmaking (two peers with equal digests hold the same bytes);
+  the DHT and in matchmaking (two peers with equal digests hold the same bytes), a
+  two-level hash over the encoding's 1 MiB pieces (:func:`state_digest`) so that a
+  copy from several donors checks each piece as it arrives
+  (:mod:`atoll.protocol.statefetch`);
 - :func:`leading_state`: THE RULE for which (version, digest) of a fragment the swarm
   follows: the highest version; among equal versions, the one held by most peers; then
   the smallest digest. Every peer computes it from the same declarations and so agrees;
