@@ -181,3 +181,47 @@ def test_periodic_checkpoints_through_a_real_bridge(tmp_path: Path, wait_until: 
     finally:
         shared.close()
         shared.unlink()
+
+
+@pytest.mark.timeout(900)
+def test_a_node_resumed_at_a_wrong_step_is_caught_before_it_contributes(
+    local_swarm: Any, wait_until: Any, tmp_path: Path
+) -> None:
+    """A checkpoint whose step is wrong (its learning-rate schedule, fragment phase and
+    data position are not the swarm's, though its fragments are): the peers refuse the
+    node as out of step at its first sync, it moves to their step, and only then
+    contributes to rounds."""
+    run = local_swarm.write_manifest("wrong", local_swarm.manifest("wrong-step", **RUN))
+    local_swarm.start_bootstrap()
+    a = local_swarm.start_node("a", run, steps=0, wait_peers=1, extra=FAST)
+    b = local_swarm.start_node("b", run, steps=0, wait_peers=1, extra=FAST)
+    wait_until(lambda: _applied_rounds(b) >= 2, 240, "b's rounds")
+    peer_b = b.progress["peer_id"]
+    b.proc.send_signal(signal.SIGINT)
+    assert b.wait(60) == 0, b.tail()
+    assert b.summary is not None
+    stopped_at = b.summary["final_step"]
+    swarm_step = int(a.progress["step"])
+    # the same state, restored at a wrong step: the last checkpoint saved again with it
+    folder = _store_of(tmp_path, peer_b).folder
+    store = CheckpointStore(folder)
+    newest = store.latest()
+    assert newest is not None
+    wrong = 1 if stopped_at > 60 else stopped_at + 120
+    store.save(newest.tensors, {**newest.meta, "step": wrong})
+
+    b2 = local_swarm.start_node("b", run, steps=40, wait_peers=1, extra=FAST)
+    assert b2.wait(600) == 0, b2.tail()
+    assert b2.summary is not None, b2.tail()
+    assert b2.summary["checkpoint"]["resumed_step"] == wrong
+    assert b2.summary["realigned"] >= 1, b2.tail(60)
+    log = b2.stderr().splitlines()
+    caught = next(i for i, line in enumerate(log) if "refused this node as out of step" in line)
+    applied = [i for i, line in enumerate(log) if ": applied;" in line]
+    assert applied, "b applied no round after it moved to the swarm's step"
+    assert min(applied) > caught, "b contributed to a round before it was in step"
+    assert b2.summary["rounds_applied"] >= 1
+    # it trained on from near the swarm's step, not from the wrong one
+    assert abs(b2.summary["final_step"] - swarm_step) < abs(wrong - swarm_step) + 40
+    a.proc.send_signal(signal.SIGINT)
+    assert a.wait(60) == 0, a.tail()
