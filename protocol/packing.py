@@ -23,7 +23,8 @@ on integer costs.
   worse in spread than largest-first followed by the same moves.
 
 Every function is a deterministic function of its arguments (ties are broken by item and
-bin index), so peers and a resumed node compute the same micro-batches.
+bin index), so peers and a resumed node compute the same micro-batches. The method and
+atoll's choices are described in docs/ALGORITHMS.md §5.2.
 """
 
 from __future__ import annotations
