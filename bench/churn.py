@@ -38,18 +38,21 @@ Definitions (per node, then over all nodes):
   is 1 by construction. Caveat: the nodes share the machine's cores, so while some are
   down the others get more CPU and train faster than their failure-free rate; goodput
   may then exceed what a swarm of separate machines would see.
-- *eval loss*: each node's ``eval_loss`` at the end (its model after settling, on the
-  same validation batches); the mean over the nodes that finished, churn against
-  failure-free.
+- *eval loss*: the global model (every fragment's global copy, as ``atoll export``
+  writes it) of each finished node's last checkpoint, on the validation batches a node
+  evaluates at its end; the mean over the nodes that finished, churn against
+  failure-free. The nodes' own ``eval_loss`` (their local models) is reported too.
 - *rounds*: per life, from the node's log (the syncer's line per slot): ``applied``,
   ``alone`` (no group formed) and ``failed`` (every other outcome); summed per node.
 - *time to rejoin*: for every restart and late start, seconds from the spawn to the
   node's first applied round (and to its first trained step, ``trains from step``).
 - *catch-up bytes*: ``bytes_down`` of the first progress line of a restarted or late
-  life (its catch-up, before any round of its own could finish), and the fragments it
-  fetched.
-- *hangs*: a process that was neither killed by the schedule nor exited by itself within
-  ``--hang-s`` after the first node finished (then killed and counted).
+  life (its catch-up, before any round of its own could finish; a life that trained no
+  step: its summary's), and the fragments it fetched.
+- *hangs*: a process that was not killed by the schedule and neither exited nor trained
+  a step (no progress line) for ``--hang-s`` (start-up, catch-up and the end-of-run
+  settle included; the default is the settle's bound plus 60 s): it is killed, counted,
+  and its node counts as not finished. Every run is also cut at ``--max-run-s``.
 - *checkpoints*: before each restart the bench finds the node's newest checkpoint that
   verifies (digests); the restarted node must log ``resumed <that name>``. Lost: it
   resumed none or another one; torn and used: the one it names does not verify.
@@ -436,13 +439,10 @@ def run_swarm(
         info["started"], info["training_at"] = t_start, t0
         log.info("%s: every node trains (%.0f s after the start)", name, t0 - t_start)
         finished: list[int] = []
-        first_done: float | None = None
         pending = list(the_plan.events) if churn else []
         overall = time.monotonic() + args.max_run_s
         while True:
             finished += swarm.reap()
-            if finished and first_done is None:
-                first_done = time.monotonic()
             now = time.time() - t0
             while pending and pending[0].at <= now:
                 ev = pending.pop(0)
@@ -451,13 +451,14 @@ def run_swarm(
             running = [n.index for n in swarm.nodes if n.lives and n.lives[-1].ended is None]
             if not running and not pending:
                 break
-            late = first_done is not None and time.monotonic() - first_done > args.hang_s
-            if late or time.monotonic() > overall:
-                info["hung"] = running
-                for i in running:
-                    log.warning("%s: node %d did not finish: killed, counted as hung", name, i)
-                    swarm.kill(i, "hung")
-                break
+            stuck = [i for i in running if time.time() - _last_sign(swarm.nodes[i]) > args.hang_s]
+            if time.monotonic() > overall:  # the run's bound: every node left counts as hung
+                stuck = running
+                pending.clear()
+            for i in stuck:
+                log.warning("%s: node %d hangs (nothing for %.0f s): killed", name, i, args.hang_s)
+                swarm.kill(i, "hung")
+                info["hung"].append(i)
             time.sleep(0.2)
         info["ended"] = time.time()
     except Exception as e:
@@ -466,6 +467,12 @@ def run_swarm(
     finally:
         swarm.close()
     return swarm, info
+
+
+def _last_sign(node: Node) -> float:
+    """When the node's current life last showed progress (a trained step), or started."""
+    life = node.lives[-1]
+    return life.progress[-1][0] if life.progress else life.spawned
 
 
 def _do(swarm: Swarm, ev: Event, now: float, finished: list[int]) -> dict[str, Any]:
@@ -583,6 +590,8 @@ def analyse_run(
             }
             if life.summary is not None:
                 s = life.summary
+                if entry["catch_up_bytes_down"] is None:  # no step trained: all catch-up
+                    entry["catch_up_bytes_down"] = s.get("bytes_down")
                 entry.update(
                     eval_loss=s.get("eval_loss"),
                     global_digest=s.get("global_digest"),
@@ -754,12 +763,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--preset", default="micro")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=420, help="the run's total_steps")
-    ap.add_argument("--H", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=480, help="the run's total_steps")
+    ap.add_argument("--H", type=int, default=60)
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--codec", default="e3m0")
-    ap.add_argument("--timeouts-scale", type=float, default=0.5, help="of the demo's timeouts")
+    ap.add_argument("--timeouts-scale", type=float, default=1.0, help="of the demo's timeouts")
     ap.add_argument("--down", type=float, default=0.2, help="share of the time each node is down")
     ap.add_argument("--late", type=int, default=2, help="late joiners")
     ap.add_argument("--kills", type=int, default=2, help="kills of every other node")
@@ -774,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.nodes, args.late, args.kills, args.min_live = 3, 1, 1, 2
         args.steps, args.checkpoint_every_s = 150, 5.0
+        args.batch_size, args.H, args.timeouts_scale = 16, 30, 0.5
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     scale = args.timeouts_scale
     if args.hang_s is None:
@@ -821,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     schedule = Schedule(args.H, fragments)
     ff = analyse_run(ff_swarm, ff_info, schedule, tokens_per_step)
     ch = analyse_run(ch_swarm, ch_info, schedule, tokens_per_step, tuple(the_plan.late))
+    _add_global_evals(ff, ff_swarm, work / "failure-free")
+    _add_global_evals(ch, ch_swarm, work / "churn")
     result = report(args, the_plan, ff, ch, tokens_per_step, fragments, duration)
     result["wall_s"] = round(time.time() - t_begin, 1)
     result["workdir"] = str(work) if keep else None
@@ -831,6 +843,36 @@ def main(argv: list[str] | None = None) -> int:
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(t["pass"] for t in result["targets"].values()) else 1
+
+
+def global_eval(manifest: Path, folder: Path, out: Path, batches: int = 8) -> float | None:
+    """Eval loss of the global model (every fragment's global copy) of the newest
+    checkpoint in a node's checkpoint ``folder`` (``atoll export``'s model), on the
+    validation batches a node evaluates at its end; None without a checkpoint."""
+    import torch
+
+    from atoll.node.data import Batcher, load_corpus
+    from atoll.node.export import export_model, load_exported
+    from atoll.node.train import evaluate
+    from atoll.protocol.manifest import RunManifest
+
+    if not folder.exists() or not CheckpointStore(folder, read_only=True).list():
+        return None
+    run = RunManifest.load(manifest)
+    export_model(manifest, folder, out)
+    model = load_exported(out)
+    batcher = Batcher(load_corpus(run.data), _seq_len(run.model), run.batch_size, run.seed)
+    return float(evaluate(model, batcher.val_batches(batches, 16), torch.device("cpu")))
+
+
+def _add_global_evals(run: dict[str, Any], swarm: Swarm, work: Path) -> None:
+    for nf in run["nodes"]:
+        folder = swarm.ckpt_dir(nf["node"])
+        out = work / "export" / f"node{nf['node']}"
+        shutil.rmtree(out, ignore_errors=True)
+        nf["global_eval_loss"] = (
+            global_eval(swarm.manifest, folder, out) if nf["finished"] else None
+        )
 
 
 def _seq_len(preset: str) -> int:
@@ -879,6 +921,7 @@ def report(
                     "rounds_alone",
                     "rebases",
                     "eval_loss",
+                    "global_eval_loss",
                     "finished",
                 )
             }
@@ -904,12 +947,13 @@ def report(
     goodput = sum(nf["tokens_useful"] for nf in ch["nodes"]) / could_all if could_all else 0.0
     sync = sync_model(the_plan, ch, ff, tokens_per_step)
 
-    def mean_eval(run: dict[str, Any]) -> float | None:
-        xs = [nf["eval_loss"] for nf in run["nodes"] if nf["finished"] and nf["eval_loss"]]
+    def mean_eval(run: dict[str, Any], key: str) -> float | None:
+        xs = [nf[key] for nf in run["nodes"] if nf["finished"] and nf.get(key)]
         return sum(xs) / len(xs) if xs else None
 
-    ev_ff, ev_ch = mean_eval(ff), mean_eval(ch)
+    ev_ff, ev_ch = mean_eval(ff, "global_eval_loss"), mean_eval(ch, "global_eval_loss")
     loss_gap = (ev_ch - ev_ff) / ev_ff if ev_ff and ev_ch else None
+    local_ff, local_ch = mean_eval(ff, "eval_loss"), mean_eval(ch, "eval_loss")
     hung = {"failure-free": ff["info"]["hung"], "churn": ch["info"]["hung"]}
     resumes = [r | {"node": nf["node"]} for nf in ch["nodes"] for r in nf["resumes"]]
     bad = [r for r in resumes if not r["ok"]]
@@ -1001,7 +1045,14 @@ def report(
         },
         "down_share": down_share,
         "goodput": round(goodput, 4),
-        "eval_loss": {"failure_free": ev_ff, "churn": ev_ch, "gap": loss_gap},
+        "eval_loss": {
+            "of": "the global model of each finished node's last checkpoint, mean",
+            "failure_free": ev_ff,
+            "churn": ev_ch,
+            "gap": loss_gap,
+            "local_model_failure_free": local_ff,
+            "local_model_churn": local_ch,
+        },
         "per_node": per_node,
         "rejoins": restarts,
         "rejoin_s": {
@@ -1043,11 +1094,11 @@ def _print(r: dict[str, Any]) -> None:
     print(
         f"{'node':>4} {'lives':>5} {'down':>6} {'live s':>7} {'ff tok/s':>9} {'useful':>8} "
         f"{'goodput':>8} {'sync*':>6} {'applied':>7} {'failed':>6} {'alone':>5} "
-        f"{'rebases':>7} {'eval':>7}"
+        f"{'rebases':>7} {'eval*':>7}"
     )
     for n in r["per_node"]:
         sg = sync["goodput"].get(n["node"])
-        ev = f"{n['eval_loss']:.4f}" if n["eval_loss"] is not None else "-"
+        ev = f"{n['global_eval_loss']:.4f}" if n["global_eval_loss"] is not None else "-"
         print(
             f"{n['node']:>4} {n['lives']:>5} {r['down_share'][n['node']]:>6.1%} "
             f"{n['live_s']:>7.0f} {n['ff_rate']:>9.0f} {n['tokens_useful']:>8} "
@@ -1060,7 +1111,11 @@ def _print(r: dict[str, Any]) -> None:
         f"{sync['goodput_overall'] or 0:.1%} (re-sync {sync['resync_s']} s)"
     )
     e = r["eval_loss"]
-    print(f"eval loss: failure-free {e['failure_free']}, churn {e['churn']}, gap {e['gap']}")
+    print(
+        f"eval loss (global model): failure-free {e['failure_free']}, churn {e['churn']}, "
+        f"gap {e['gap']}; local models {e['local_model_failure_free']} and "
+        f"{e['local_model_churn']}"
+    )
     for j in r["rejoins"]:
         print(
             f"  node {j['node']} {j['kind']} (life {j['life']}): first step "
