@@ -69,9 +69,9 @@ __all__ = ["NodeSummary", "run_node"]
 logger = logging.getLogger(__name__)
 
 WORKER = "atoll.node.net.swarm:swarm_worker"
-STOP_WAIT_S = 1.0
-"""how long a stopped node waits for its rounds in flight, and for the engine's part of
-its last checkpoint, before it leaves (it is gone within about 5 s of Ctrl+C)"""
+STOP_WAIT_S = 2.0
+"""how long a stopped node waits for the engine's part of its last checkpoint before it
+leaves without it (it is gone within about 5 s of Ctrl+C)"""
 
 
 @dataclass
@@ -142,6 +142,8 @@ class _Stop:
 
     def __init__(self) -> None:
         self.by = ""
+        self.on_stop: Callable[[], None] | None = None
+        """called in the signal handler (the bridge's interrupt: a wait returns at once)"""
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -150,6 +152,8 @@ class _Stop:
                 raise KeyboardInterrupt
             self.by = signal.Signals(signum).name
             logger.warning("%s: stopping after this step", self.by)
+            if self.on_stop is not None:
+                self.on_stop()
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -263,6 +267,7 @@ def run_node(
                     shared, WORKER, args, start_timeout_s=cfg.join_timeout_s + 120
                 ) as bridge,
             ):
+                stop.on_stop = bridge.interrupt
                 return _train(
                     cfg,
                     manifest,
@@ -391,10 +396,11 @@ def _train(
             last_report = time.monotonic()
             progress(run.progress(rep, bridge, cfg.log_every))
     if stop.by:
-        # leaving: the rounds in flight get a moment to finish, then are abandoned (each
-        # aborts as a whole, here and at its peers); the node is gone within seconds
-        bridge.release_holds()
-        loop.finish(wait_s=STOP_WAIT_S / max(1, len(loop.pending)))
+        # leaving: the rounds in flight are abandoned (the signal interrupted the bridge's
+        # waits; each round aborts as a whole, here and at its peers, when the network
+        # process stops); the node is gone within seconds
+        bridge.interrupt()
+        loop.finish(wait_s=0.0)
     else:
         loop.finish()  # the rounds still in flight finish (bounded) so the last results merge
     wall = time.perf_counter() - run.t0
@@ -424,7 +430,7 @@ def _train(
     if stop.by:
         bridge.close()  # withdraws this node from the swarm's groups before the last eval
     eval_loss: float | None = None
-    if cfg.eval_batches:
+    if cfg.eval_batches and not stop.by:  # a stopped node leaves at once
         eval_loss = evaluate(rep.model, rep.batcher.val_batches(cfg.eval_batches, 16), rep.device)
     ddp_step = allreduce_bytes_per_peer(4 * n_params, max(2, 1 + final.peers_seen))
     return run.summary(

@@ -80,7 +80,6 @@ import multiprocessing.connection
 import os
 import secrets
 import signal
-import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
@@ -485,7 +484,10 @@ def _child_main(
     finally:
         if shared is not None:
             shared.close()
-    sys.exit(code)
+    # everything this process owns is closed: skip the interpreter's teardown (seconds on
+    # a busy machine), which the trainer's exit would wait for
+    logging.shutdown()
+    os._exit(code)
 
 
 # -- trainer side ---------------------------------------------------------------------------
@@ -518,6 +520,11 @@ class NetworkBridge:
         self._settled: Settled | None = None
         self._reported_error = False  # the worker said why it stopped: the process is exiting
         self._snapshots: dict[str, SnapshotReply | None] = {}  # asked -> answer (None: not yet)
+        # interrupt(), from a signal handler, wakes a wait through this pipe
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._interrupted = False
         self._step_sent_at = -float("inf")
         self.status = NodeStatus()
         """the latest status the network process sent (peer id, peers, bytes, rounds)"""
@@ -682,7 +689,7 @@ class NetworkBridge:
                         deadline - now,
                     )
                 left = deadline - now
-                if left <= 0:
+                if left <= 0 or self._interrupted:
                     self.stats.skipped += 1
                     return None
                 self._drain(left)  # a hold or its release wakes this up too
@@ -692,6 +699,14 @@ class NetworkBridge:
             end = time.monotonic()
             self.stats.wait_s += end - t0
             self.stats.held += held and end > asked
+
+    def interrupt(self) -> None:
+        """The trainer is stopping (a signal handler may call this): a wait in progress
+        returns at once with no outcome, later waits do not block, holds are dropped."""
+        self._interrupted = True
+        self._holds.clear()
+        with contextlib.suppress(OSError):  # a full pipe is woken already
+            os.write(self._wake_w, b"!")
 
     def release_holds(self) -> None:
         """Forget every hold: the trainer is stopping and waits no longer than it asks."""
@@ -789,6 +804,9 @@ class NetworkBridge:
         finally:
             self._cmd.close()
             self._out.close()
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def __enter__(self) -> NetworkBridge:
         return self
@@ -838,7 +856,11 @@ class NetworkBridge:
         if self._dead is not None:
             return
         if timeout_s > 0:
-            multiprocessing.connection.wait([self._out, self._proc.sentinel], timeout_s)
+            multiprocessing.connection.wait(
+                [self._out, self._proc.sentinel, self._wake_r], timeout_s
+            )
+            with contextlib.suppress(OSError):  # BlockingIOError: nothing to clear
+                os.read(self._wake_r, 64)
         try:
             while self._out.poll():
                 try:
