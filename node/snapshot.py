@@ -145,16 +145,20 @@ def write_engine_file(path: str | Path, state: Mapping[str, Any]) -> dict[str, A
     return meta
 
 
-def load_engine_part(folder: str | Path) -> tuple[dict[str, Any], list[list[str]]]:
-    """The engine's state dict and the certificate seals (base64, per fragment) kept in
-    the node checkpoint ``folder``, verified; CheckpointError when it does not verify."""
+def load_engine_part(
+    folder: str | Path,
+) -> tuple[dict[str, Any], list[list[str]], list[str]]:
+    """The engine's state dict, the certificate seals (base64, per fragment) and this
+    node's own attestation of each state ("" where none) kept in the node checkpoint
+    ``folder``, verified; CheckpointError when it does not verify."""
     loaded = load_checkpoint(folder)
     try:
         part = loaded.meta["engine"]
         seals = [[str(s) for s in per] for per in part.get("seals", [])]
+        own = [str(s) for s in part.get("own_seals", [])]
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{folder}: no engine part ({e!r})") from None
-    return engine_state(loaded.tensors, part), seals
+    return engine_state(loaded.tensors, part), seals, own
 
 
 def read_engine_file(path: str | Path) -> dict[str, npt.NDArray[Any]]:

@@ -182,6 +182,16 @@ class AttestationPublisher:
         self._latest[attestation.fragment] = (attestation, sealed, -float("inf"))
         self._wake.set()
 
+    def restore(self, attestation: Attestation, sealed: bytes) -> None:
+        """Take back an attestation this node sealed before it stopped (a checkpoint
+        kept it) and publish it again soon: the peers that look up the state this node
+        resumed with find it, although the DHT lost it meanwhile."""
+        held = self._latest.get(attestation.fragment)
+        if held is not None and held[0].version >= attestation.version:
+            return
+        self._latest[attestation.fragment] = (attestation, sealed, -float("inf"))
+        self._wake.set()
+
     def sealed(self, fragment: int) -> bytes | None:
         """The newest sealed attestation of ``fragment`` (to hand to a peer), or None."""
         held = self._latest.get(fragment)

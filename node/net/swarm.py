@@ -88,10 +88,10 @@ from atoll.node.net.syncer import FaultHook, Syncer
 from atoll.node.net.tally import SyncTally
 from atoll.node.settings import load_membership
 from atoll.node.snapshot import load_engine_part, write_engine_file
-from atoll.protocol.certificate import CertifiedStates
+from atoll.protocol.certificate import CertifiedStates, open_attestation
 from atoll.protocol.codecs import make_codec
 from atoll.protocol.engine import OuterEngine
-from atoll.protocol.errors import ConfigError
+from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import RunManifest
 from atoll.protocol.schedule import Schedule
@@ -131,6 +131,7 @@ class _Node:
     ) -> None:
         self.attack = attack
         """this node's attack (benchmarks and tests; None: an honest node)"""
+        self.verifier = verifier
         self.shared = shared
         self.outbox = outbox
         self.host = host
@@ -384,28 +385,46 @@ class _Node:
                 (p, self.engine.version(p), self.engine.digest(p)) for p in range(len(self.shared))
             ]
         seals = [[base64.b64encode(s).decode() for s in self.beliefs.seals(*h)] for h in held]
+        own = [self.attester.sealed_for(*h) for h in held]
+        mine = ["" if s is None else base64.b64encode(s).decode() for s in own]
 
         def write() -> dict[str, Any]:
             meta = write_engine_file(path, state)
             meta["seals"] = seals
+            meta["own_seals"] = mine
             return meta
 
         return write
 
-    def restore_seals(self, seals: Sequence[Sequence[str]]) -> int:
-        """Offer the certificate seals a checkpoint kept for the states now held; how many
-        fragments' states they certify again."""
+    def restore_seals(self, seals: Sequence[Sequence[str]], own: Sequence[str] = ()) -> int:
+        """Offer the certificate seals a checkpoint kept for the states now held (its
+        own attestations among them, which are published again); how many fragments'
+        states they certify again."""
         certified = 0
-        for p, sealed in enumerate(seals[: len(self.shared)]):
-            if not sealed:
-                continue
+        for p in range(len(self.shared)):
+            sealed = list(seals[p]) if p < len(seals) else []
+            mine = own[p] if p < len(own) else ""
             try:
-                raw = [base64.b64decode(s, validate=True) for s in sealed]
+                raw = [base64.b64decode(s, validate=True) for s in sealed if s]
+                own_raw = base64.b64decode(mine, validate=True) if mine else b""
             except (ValueError, TypeError):
                 logger.warning("fragment %d: the checkpoint's seals do not decode; ignored", p)
                 continue
             version, digest = self.engine.version(p), self.engine.digest(p)
-            if self.beliefs.offer(p, version, digest, raw, now=trio.current_time()) is not None:
+            if own_raw:
+                try:
+                    att, signer = open_attestation(own_raw, self.verifier)
+                except AtollError as e:
+                    logger.warning("fragment %d: the checkpoint's own seal: %s", p, e)
+                else:
+                    if signer == self.host.peer_id and (att.fragment, att.version, att.digest) == (
+                        p,
+                        version,
+                        digest,
+                    ):
+                        self.attester.restore(att, own_raw)
+                        raw.append(own_raw)
+            if raw and self.beliefs.offer(p, version, digest, raw, now=trio.current_time()):
                 certified += 1
         return certified
 
@@ -524,8 +543,9 @@ async def swarm_worker(
         seed=seed,
     )
     seals: list[list[str]] = []
+    own_seals: list[str] = []
     if resume:
-        state, seals = load_engine_part(resume)
+        state, seals, own_seals = load_engine_part(resume)
         engine.load_state_dict(state)
         for p in range(len(shared)):
             shared.global_(p)[:] = engine.global_params(p)
@@ -571,8 +591,8 @@ async def swarm_worker(
             verifier=verifier,
             attack=hostile,
         )
-        if seals:
-            node.restore_seals(seals)
+        if seals or own_seals:
+            node.restore_seals(seals, own_seals)
         nursery.start_soon(node.mailbox.run)
 
         def on_suspect(peer: str, failures: int) -> None:

@@ -167,7 +167,7 @@ def test_periodic_checkpoints_through_a_real_bridge(tmp_path: Path, wait_until: 
             wait_until(saved, 30, "the periodic checkpoint", interval_s=0.05)
             last = ckpts.final(bridge, model, optimizer, step=8, tokens=310, meta={}, timeout_s=30)
             assert last is not None and ckpts.stats.saved == 2, ckpts.stats
-            state, _ = load_engine_part(last)
+            state, _, _ = load_engine_part(last)
             for p in range(len(sizes)):
                 got = state["fragments"][p]
                 assert got["version"] == 1

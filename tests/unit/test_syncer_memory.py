@@ -41,6 +41,7 @@ from atoll.protocol.certificate import (
     AttestationReply,
     AttestationRequest,
     CertifiedStates,
+    open_attestation,
     seal_attestation,
 )
 from atoll.protocol.engine import EngineConfig, OuterEngine
@@ -1101,6 +1102,44 @@ def test_a_donor_that_goes_silent_or_dies_mid_copy_hands_its_pieces_on(fault: st
             assert trio.current_time() - t0 < answer_bound(TIMEOUTS) + 1.0
             strikes = late.syncer.strikes
             assert strikes is not None and strikes.total == 0
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_restarted_member_publishes_its_kept_attestation_again() -> None:
+    """Members that stopped after a round, and whose attestations the DHT lost, publish
+    them again from what their checkpoints kept: the board certifies the state again."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 3)
+            await _sync_all(nodes, _locals(3), 3)
+            ahead = nodes[0].state()
+            kept = [n.attester.sealed_for(0, *ahead) for n in nodes]
+            assert all(kept)
+            await trio.sleep(1.0)
+            net.board._attests.clear()  # the DHT lost them while the members were down
+            for node, sealed in zip(nodes, kept, strict=True):
+                assert sealed is not None
+                restarted = AttestationPublisher(
+                    net.board_of(node.peer, Liveness()),
+                    EnvelopeSigner(_identity(node.peer)),
+                    peer_id=node.peer,
+                    wall=net.wall,
+                    held=lambda p, e=node.engine: (e.version(p), e.digest(p)),
+                )
+                attestation, signer = open_attestation(sealed, EnvelopeVerifier())
+                assert signer == _identity(node.peer).peer_id
+                restarted.restore(attestation, sealed)
+                await restarted.publish_due()
+                assert restarted.published == 1
+            # the board holds them again, and they certify the state on their own
+            records = await net.board_of(nodes[0].peer, Liveness()).find_attestations(0, ahead[0])
+            assert {r.peer_id for r in records} == {n.peer for n in nodes}
+            judge = CertifiedStates(RUN, quorum=2, verifier=NamedVerifier(), seeds=[""])
+            seals = [r.attestation for r in records]
+            assert judge.offer(0, *ahead, seals, now=0.0) is not None
             services.cancel_scope.cancel()
 
     _run(main)
