@@ -338,7 +338,7 @@ def _train(
         )
     logger.info("peer %s trains from step %d", status.peer_id, start)
     if on_start is not None:
-        on_start(status.as_dict())
+        on_start({**status.as_dict(), "start_step": start})  # a resumed node's own step
     exchange = _BridgeExchange(bridge, shared, views, manifest.alpha)
     loop = StreamingLoop(
         schedule, exchange, tau=manifest.tau, apply_wait_s=manifest.timeouts.apply_wait_s
