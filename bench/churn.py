@@ -99,7 +99,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from atoll.node.checkpoint import CheckpointStore
-from atoll.node.demo import DemoConfig, manifest_text
+from atoll.node.demo import DemoConfig, manifest_text, start_bootstrap, stop_process
 from atoll.protocol.schedule import Schedule
 
 log = logging.getLogger("bench.churn")
@@ -245,32 +245,7 @@ class Swarm:
         self.addr = ""
 
     def start_bootstrap(self) -> None:
-        addr_file = self.work / "bootstrap.addr"
-        self.boot = subprocess.Popen(
-            [
-                *CLI,
-                "bootstrap",
-                "--identity",
-                str(self.work / "bootstrap.key"),
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--addr-file",
-                str(addr_file),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=(self.work / "bootstrap.log").open("w"),
-            text=True,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            text = addr_file.read_text().strip() if addr_file.exists() else ""
-            if text:
-                self.addr = text.split()[0]
-                return
-            if self.boot.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError(f"the bootstrap did not start: see {self.work / 'bootstrap.log'}")
+        self.boot, self.addr = start_bootstrap(DemoConfig(), self.work)
 
     def ckpt_dir(self, i: int) -> Path:
         return self.work / "ckpt" / f"node{i}"
@@ -388,13 +363,8 @@ class Swarm:
         for node in self.nodes:
             if node.running:
                 self.kill(node.index, "hung")
-        if self.boot is not None and self.boot.poll() is None:
-            self.boot.send_signal(signal.SIGINT)
-            try:
-                self.boot.wait(10)
-            except subprocess.TimeoutExpired:
-                self.boot.kill()
-                self.boot.wait(5)
+        if self.boot is not None:
+            stop_process(self.boot, 10.0)
 
 
 def _read(proc: subprocess.Popen[str], life: Life) -> None:

@@ -47,7 +47,7 @@ import torch
 from atoll.node.checkpoint import CheckpointStore
 from atoll.node.data import load_corpus
 from atoll.node.documents import make_batcher
-from atoll.node.model import build, tensor_specs
+from atoll.node.model import build_for_run
 from atoll.node.net.bridge import NetworkBridge, Settled, SharedFragments, SyncOutcome
 from atoll.node.net.status import NodeStatus
 from atoll.node.settings import NodeConfig
@@ -55,7 +55,6 @@ from atoll.node.snapshot import NodeCheckpoints, ResumePoint, restore_trainer, r
 from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, lr_at, resolve_device
 from atoll.protocol.engine import merge
 from atoll.protocol.errors import ConfigError
-from atoll.protocol.fragments import plan_fragments
 from atoll.protocol.manifest import RunManifest, Timeouts
 from atoll.protocol.matchmaking import OUT_OF_STEP
 from atoll.protocol.reduce import allreduce_bytes_per_peer
@@ -203,12 +202,7 @@ def run_node(
             f"this peer's data ({corpus.fingerprint[:12]}) is not the run's "
             f"({manifest.corpus_sha256[:12]}): check 'data' in {cfg.run}"
         )
-    model, seq_len = build(manifest.model, manifest.seed)
-    plan = plan_fragments(
-        tensor_specs(model),
-        blocks_per_fragment=manifest.blocks_per_fragment,
-        extras=manifest.extras,
-    )
+    model, seq_len, plan = build_for_run(manifest)
     schedule = Schedule(manifest.H, len(plan))
     schedule.check_overlap(manifest.tau)
     views = FragmentViews(model, plan)
@@ -259,7 +253,7 @@ def run_node(
                 "fault": cfg.fault,
                 "attack": cfg.attack,
                 "cert_file": cfg.cert,
-                "resume": str(resumed.path) if resumed is not None else "",
+                "resume": resumed.engine_part() if resumed is not None else None,
             }
             with (
                 stop.installed(),
@@ -396,10 +390,9 @@ def _train(
             last_report = time.monotonic()
             progress(run.progress(rep, bridge, cfg.log_every))
     if stop.by:
-        # leaving: the rounds in flight are abandoned (the signal interrupted the bridge's
-        # waits; each round aborts as a whole, here and at its peers, when the network
-        # process stops); the node is gone within seconds
-        bridge.interrupt()
+        # leaving: the rounds in flight are abandoned (the signal handler interrupted the
+        # bridge's waits; each round aborts as a whole, here and at its peers, when the
+        # network process stops); the node is gone within seconds
         loop.finish(wait_s=0.0)
     else:
         loop.finish()  # the rounds still in flight finish (bounded) so the last results merge
@@ -413,10 +406,8 @@ def _train(
         log("end of run: %s", settled.detail)
     if ckpts is not None:
         # what the node holds now: a settled copy at the end of a run, or the state a
-        # stopped node resumes from
-        for outcome in bridge.poll():  # a late result that came meanwhile is merged first
-            if outcome.applied:
-                exchange.merge(outcome.fragment)
+        # stopped node resumes from (a late result that came meanwhile merged first)
+        loop.collect(run.step)
         ckpts.final(
             bridge,
             rep.model,

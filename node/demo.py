@@ -183,7 +183,10 @@ def _listen(cfg: DemoConfig, i: int) -> str:
     return f"/ip4/{ip}/tcp/0"
 
 
-def _start_bootstrap(cfg: DemoConfig, work: Path) -> tuple[subprocess.Popen[str], str]:
+def start_bootstrap(cfg: DemoConfig, work: Path) -> tuple[subprocess.Popen[str], str]:
+    """Start the run's bootstrap peer in ``work`` (its log: ``bootstrap.log``) and wait
+    for its address (ConfigError when it does not start in time); the process and its
+    first multiaddr."""
     addr_file = work / "bootstrap.addr"
     log = (work / "bootstrap.log").open("w")
     proc = subprocess.Popen(
@@ -213,7 +216,8 @@ def _start_bootstrap(cfg: DemoConfig, work: Path) -> tuple[subprocess.Popen[str]
     raise ConfigError(f"the bootstrap peer did not start; see {work / 'bootstrap.log'}")
 
 
-def _stop(proc: subprocess.Popen[str], timeout_s: float) -> None:
+def stop_process(proc: subprocess.Popen[str], timeout_s: float) -> None:
+    """SIGINT, then a kill after ``timeout_s``."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
@@ -243,7 +247,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stderr) -> dict[str, Any]:
         file=out,
         flush=True,
     )
-    boot, addr = _start_bootstrap(cfg, work)
+    boot, addr = start_bootstrap(cfg, work)
     children: list[_Child] = []
     interrupted = False
     t0 = time.monotonic()
@@ -293,8 +297,8 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stderr) -> dict[str, Any]:
         print("\natoll demo: stopping the nodes...", file=out, flush=True)
     finally:
         for c in children:
-            _stop(c.proc, _STOP_TIMEOUT_S)
-        _stop(boot, 10.0)
+            stop_process(c.proc, _STOP_TIMEOUT_S)
+        stop_process(boot, 10.0)
         time.sleep(0.2)  # the reader threads take the last lines
         for c in children:
             c.log.close()

@@ -27,11 +27,10 @@ import torch
 from safetensors.torch import save_file
 
 from atoll.node.checkpoint import CheckpointError, CheckpointStore, Loaded, load_checkpoint
-from atoll.node.model import HFCausalLM, build, model_config, tensor_specs
+from atoll.node.model import HFCausalLM, build_for_run, model_config
 from atoll.node.snapshot import KIND
 from atoll.node.train import FragmentViews
 from atoll.protocol.errors import ConfigError
-from atoll.protocol.fragments import plan_fragments
 from atoll.protocol.manifest import RunManifest
 
 __all__ = ["Exported", "export_model"]
@@ -90,12 +89,7 @@ def export_model(manifest_path: str | Path, checkpoint: str | Path, out: str | P
             f"{loaded.path} is of run {str(meta.get('run_id'))[:16]}, the manifest's is "
             f"{manifest.run_id()[:16]}: export with the manifest the node trained with"
         )
-    model, seq_len = build(manifest.model, manifest.seed)
-    plan = plan_fragments(
-        tensor_specs(model),
-        blocks_per_fragment=manifest.blocks_per_fragment,
-        extras=manifest.extras,
-    )
+    model, seq_len, plan = build_for_run(manifest)
     views = FragmentViews(model, plan)
     for p in range(len(plan)):
         key = f"engine/{p}/global"

@@ -16,20 +16,24 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from atoll.protocol.errors import ConfigError
-from atoll.protocol.fragments import TensorSpec
+from atoll.protocol.fragments import FragmentPlan, TensorSpec, plan_fragments
+
+if TYPE_CHECKING:
+    from atoll.protocol.manifest import RunManifest
 
 __all__ = [
     "GPT",
     "PRESETS",
     "ModelConfig",
     "build",
+    "build_for_run",
     "build_model",
     "from_hf_config",
     "model_config",
@@ -280,6 +284,18 @@ def build(spec: str, seed: int = 0, max_seq_len: int = 1024) -> tuple[nn.Module,
         or max_seq_len
     )
     return from_hf_config(hf_cfg, seed), min(int(positions), max_seq_len)
+
+
+def build_for_run(manifest: RunManifest) -> tuple[nn.Module, int, FragmentPlan]:
+    """The run's model (the seed's weights), its sequence length and its fragment plan:
+    what every peer of the run builds alike (a trainer, an export)."""
+    model, seq_len = build(manifest.model, manifest.seed)
+    plan = plan_fragments(
+        tensor_specs(model),
+        blocks_per_fragment=manifest.blocks_per_fragment,
+        extras=manifest.extras,
+    )
+    return model, seq_len, plan
 
 
 class HFCausalLM(nn.Module):

@@ -21,9 +21,10 @@ asks the network process for the engine's (``["snapshot", path]`` on the bridge:
 engine is copied before the next command is read, and written to a staging file off the
 event loop), trains on, and hands both to a writer thread once the engine's part is in.
 
-Resuming (:func:`resume_point`) restores the model and AdamW here; the network process
-loads the engine's part itself before it joins (``resume=`` of the swarm worker), then
-catches up only the fragments whose copy the swarm moved past.
+Resuming (:func:`resume_point`, which verifies the checkpoint once) restores the model
+and AdamW here and hands the engine's part to the network process (``resume=`` of the
+swarm worker), which loads it before it joins, then catches up only the fragments whose
+copy the swarm moved past.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KIND",
+    "EnginePart",
     "NodeCheckpoints",
     "ResumePoint",
     "engine_arrays",
@@ -145,13 +147,20 @@ def write_engine_file(path: str | Path, state: Mapping[str, Any]) -> dict[str, A
     return meta
 
 
-def load_engine_part(
-    folder: str | Path,
-) -> tuple[dict[str, Any], list[list[str]], list[str]]:
-    """The engine's state dict, the certificate seals (base64, per fragment) and this
-    node's own attestation of each state ("" where none) kept in the node checkpoint
-    ``folder``, verified; CheckpointError when it does not verify."""
-    loaded = load_checkpoint(folder)
+EnginePart = tuple[dict[str, Any], list[list[str]], list[str]]
+"""What the network process resumes from: the engine's state dict, the certificate
+seals (base64, per fragment) and this node's own attestation of each state ("" where
+none)."""
+
+
+def load_engine_part(folder: str | Path) -> EnginePart:
+    """The :data:`EnginePart` kept in the node checkpoint ``folder``, verified;
+    CheckpointError when it does not verify."""
+    return _engine_part(load_checkpoint(folder))
+
+
+def _engine_part(loaded: Loaded) -> EnginePart:
+    folder = loaded.path
     try:
         part = loaded.meta["engine"]
         seals = [[str(s) for s in per] for per in part.get("seals", [])]
@@ -240,6 +249,11 @@ class ResumePoint:
             np.asarray(self.loaded.tensors[f"{_ENGINE}{p}/global"], np.float32)
             for p in range(len(self.versions))
         ]
+
+    def engine_part(self) -> EnginePart:
+        """What the network process resumes from (read from this checkpoint, which was
+        verified once already)."""
+        return _engine_part(self.loaded)
 
     def describe(self) -> str:
         versions = ", ".join(f"v{v}" for v in self.versions)

@@ -139,7 +139,7 @@ class StreamingLoop:
 
         ``tokens`` is the trainer's total token count, handed to :meth:`Exchange.start`.
         """
-        taken = [self._take(o, step, late=True) for o in self.exchange.poll()]
+        taken = self.collect(step)
         for p in [p for p, at in self._apply_at.items() if at <= step]:
             self._await(p, step, taken)
         for p in self.schedule.due(step):
@@ -153,6 +153,11 @@ class StreamingLoop:
             if self.tau == 0:
                 self._await(p, step, taken)
         return taken
+
+    def collect(self, step: int) -> list[SyncOutcome]:
+        """Take the results that arrived since the last call without waiting (merging
+        the applied ones); also after :meth:`finish`, for one that came late."""
+        return [self._take(o, step, late=True) for o in self.exchange.poll()]
 
     def finish(self, wait_s: float | None = None) -> list[SyncOutcome]:
         """After the last step: await every sync still in flight (each at most

@@ -124,7 +124,6 @@ MAX_HOLD_S = 120.0
 """the longest a hold keeps the trainer waiting (the network process asks for at most
 its matchmaking deadline; this bounds a faulty one)"""
 _MAX_MESSAGE = 1 << 16  # commands are tiny; anything larger is a bug
-_EXIT_GRACE_S = 0.5  # how long a worker that reported its error may take to exit
 _F32 = np.dtype(np.float32)
 
 
@@ -518,7 +517,6 @@ class NetworkBridge:
         self._dead: str | None = None
         self._closed = False
         self._settled: Settled | None = None
-        self._reported_error = False  # the worker said why it stopped: the process is exiting
         self._snapshots: dict[str, SnapshotReply | None] = {}  # asked -> answer (None: not yet)
         # interrupt(), from a signal handler, wakes a wait through this pipe
         self._wake_r, self._wake_w = os.pipe()
@@ -558,8 +556,8 @@ class NetworkBridge:
             self._await_ready(start_timeout_s)
         except BaseException:
             # a worker that reported its error (a failed join, say) has closed its host and
-            # only exits: the user is told without waiting out the interpreter's shutdown
-            self.close(timeout_s=_EXIT_GRACE_S if self._reported_error else 1.0)
+            # exits at once (without the interpreter's teardown: see _child_main)
+            self.close(timeout_s=1.0)
             raise
 
     def _await_ready(self, timeout_s: float) -> None:
@@ -580,7 +578,6 @@ class NetworkBridge:
                         self._take_status(msg)
                         continue
                     if msg[0] == "error":
-                        self._reported_error = True
                         raise NetworkStartError(str(msg[1]))
                     raise NetworkStartError(f"unexpected first message {msg[:1]!r}")
             except (EOFError, OSError):
@@ -708,10 +705,6 @@ class NetworkBridge:
         with contextlib.suppress(OSError):  # a full pipe is woken already
             os.write(self._wake_w, b"!")
 
-    def release_holds(self) -> None:
-        """Forget every hold: the trainer is stopping and waits no longer than it asks."""
-        self._holds.clear()
-
     def settle(self, timeout_s: float) -> Settled:
         """At the end of a run: have the network process bring every fragment onto the
         swarm's copy (its syncs in flight end first; then a rebase where the peers hold
@@ -797,8 +790,7 @@ class NetworkBridge:
                     _send(self._cmd, ["shutdown"])
                 self._proc.join(timeout_s)
                 if self._proc.is_alive():
-                    if not self._reported_error:  # else it was only shutting its interpreter
-                        log.warning("network process did not stop in %.1f s: killing it", timeout_s)
+                    log.warning("network process did not stop in %.1f s: killing it", timeout_s)
                     self._proc.kill()
                     self._proc.join(2.0)
         finally:

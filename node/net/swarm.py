@@ -87,7 +87,7 @@ from atoll.node.net.status import NodeStatus
 from atoll.node.net.syncer import FaultHook, Syncer
 from atoll.node.net.tally import SyncTally
 from atoll.node.settings import load_membership
-from atoll.node.snapshot import load_engine_part, write_engine_file
+from atoll.node.snapshot import EnginePart, write_engine_file
 from atoll.protocol.certificate import CertifiedStates, open_attestation
 from atoll.protocol.codecs import make_codec
 from atoll.protocol.engine import OuterEngine
@@ -513,7 +513,7 @@ async def swarm_worker(
     fault: str = "",
     cert_file: str = "",
     attack: str = "",
-    resume: str = "",
+    resume: EnginePart | None = None,
 ) -> None:
     """The network process of a swarm node (see the module docstring).
 
@@ -521,9 +521,10 @@ async def swarm_worker(
     ready it joins the swarm and catches up; the status then carries ``start_step``,
     ``peer_id`` and ``addrs``. ``fault`` is a test's fault injection
     (:func:`~atoll.node.net.faults.parse_fault`), ``attack`` a benchmark's or test's
-    attack injection (:func:`~atoll.node.net.attacks.parse_attack`). ``resume`` names a
-    checkpoint folder (:mod:`atoll.node.snapshot`) whose engine state the node starts
-    from: the global copies, outer momentum and versions it held when it stopped.
+    attack injection (:func:`~atoll.node.net.attacks.parse_attack`). ``resume`` is the
+    engine part of the checkpoint the trainer resumed from (:mod:`atoll.node.snapshot`):
+    the global copies, outer momentum and versions the node held when it stopped, and
+    the certificate seals it kept.
     """
     if manifest.aggregation != "mean":
         raise ConfigError(
@@ -544,15 +545,13 @@ async def swarm_worker(
     )
     seals: list[list[str]] = []
     own_seals: list[str] = []
-    if resume:
-        state, seals, own_seals = load_engine_part(resume)
+    if resume is not None:
+        state, seals, own_seals = resume
         engine.load_state_dict(state)
         for p in range(len(shared)):
             shared.global_(p)[:] = engine.global_params(p)
         logger.info(
-            "engine state resumed from %s: versions %s",
-            resume,
-            [engine.version(p) for p in range(len(shared))],
+            "engine state resumed: versions %s", [engine.version(p) for p in range(len(shared))]
         )
     run_id = manifest.run_id()
     liveness = Liveness()
@@ -592,7 +591,8 @@ async def swarm_worker(
             attack=hostile,
         )
         if seals or own_seals:
-            node.restore_seals(seals, own_seals)
+            certified = node.restore_seals(seals, own_seals)
+            logger.info("the checkpoint's seals certify %d fragment states again", certified)
         nursery.start_soon(node.mailbox.run)
 
         def on_suspect(peer: str, failures: int) -> None:
