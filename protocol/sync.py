@@ -46,8 +46,15 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    one (after a split heals, the losing side learns it while it waits at its slot); it
    then withdraws from the slot, and when the winner is at most :data:`MAX_STALENESS`
    versions ahead this sync copies it and offers its Δ at the winner's slot, once, as in
-   step 2 (the swarm's group there is most often forming as this peer learns of it: had
-   it already run, the swarm would lead with a newer copy).
+   step 2. At a winner of the same version the swarm's group is forming as this peer
+   learns of it. At a newer winner that depends on when it learns: a lone side two
+   versions behind learns it as the swarm's sync of the slot begins (their group is
+   forming now), but a side that lost the race for its own slot learns it when the winners
+   commit that slot, and the winners' next sync of the fragment comes a whole period
+   later. Waiting there holds the trainer out of step with the swarm and misses the
+   winners all the same, so the new slot is declared ``only_if_present``: joined when
+   another peer is already there, else the sync ends rebased (the Δ is dropped) and the
+   peer meets the swarm at its next regular sync of the fragment.
 4. :meth:`FragmentSync.reduced` with the all-reduce outcome: Done is delivered (commit),
    Failed rolled back; a delivery the engine refuses is a roll back too.
 5. After the round, the holdings seen meanwhile decide whether to rebase
@@ -129,9 +136,14 @@ looking for a group, or a catch-up), ``cancelled`` when the sync was aborted."""
 # -- actions -----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class FindGroup:
-    """Find this sync's group: publish ``declaration`` and run matchmaking for its slot."""
+    """Find this sync's group: publish ``declaration`` and run matchmaking for its slot.
+
+    ``only_if_present``: the slot is one the peer moved to in the middle of its sync (it
+    copied a newer copy after withdrawing from its own slot): join it only when another
+    peer has declared it already, else give up at once (see the module docstring)."""
 
     declaration: mm.Declaration
+    only_if_present: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,7 +455,9 @@ class FragmentSync:
             self._holders = []
             self._request = self.engine.begin(self.fragment, shifted, self._step)
             self._digest = self.engine.digest(self.fragment)
-            return self._find_group(self._request, self._wall)
+            # after a withdrawal, a newer slot's round may have no one coming to it now
+            newer = bool(self._withdrawn) and version > request.round
+            return self._find_group(self._request, self._wall, only_if_present=newer)
         return self._finish(
             applied=True,
             reason=f"rebased to version {version}",
@@ -499,7 +513,9 @@ class FragmentSync:
                 f"(expected {' or '.join(phases)})"
             )
 
-    def _find_group(self, request: SyncRequest, wall_now: float) -> FindGroup:
+    def _find_group(
+        self, request: SyncRequest, wall_now: float, *, only_if_present: bool = False
+    ) -> FindGroup:
         self._wall = wall_now
         self._phase = "matching"
         return FindGroup(
@@ -513,7 +529,8 @@ class FragmentSync:
                 request.weight,
                 wall_now,
                 request.step,
-            )
+            ),
+            only_if_present,
         )
 
     def outdated(self, holdings: Iterable[Holding]) -> tuple[int, str] | None:

@@ -483,6 +483,7 @@ async def run_matchmaking(
     hold: Callable[[float], None] | None = None,
     step_period: int = 0,
     max_step_lag: int = 0,
+    alone_unless_seen_s: float | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -509,10 +510,13 @@ async def run_matchmaking(
     trainer blocks meanwhile, so a node that runs ahead of the swarm falls back in step
     (see :meth:`~atoll.node.net.bridge.NetworkBridge.wait`). ``step_period`` and
     ``max_step_lag``: the matchmaker's check that groupmates are in step (its "In step").
+    ``alone_unless_seen_s``: the node withdraws from the slot at the first DHT view after
+    that many seconds unless some view showed another peer's compatible declaration (a
+    slot joined only when somebody is there; see :class:`~atoll.protocol.sync.FindGroup`).
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
-    now = trio.current_time()
+    now = start = trio.current_time()
     settings_of = settings if callable(settings) else (lambda: settings)
     machine = mm.Matchmaker(
         me,
@@ -528,6 +532,8 @@ async def run_matchmaking(
     mailbox.open(key, send_ch)
     stop = trio.Event()
     holding = False
+    mine = mm.compat_key(me)
+    company = alone_unless_seen_s is None  # somebody else declared the slot
     try:
         async with contextlib.AsyncExitStack() as stack:
             io: trio.Nursery = (
@@ -564,13 +570,19 @@ async def run_matchmaking(
             io.start_soon(poll)
 
             def observe(decls: list[mm.Declaration], now: float) -> list[Any]:
-                nonlocal holding
+                nonlocal holding, company
                 if view is not None:
                     view(decls)
                 lost = outdated() if outdated is not None else None
                 if lost is not None:
                     return machine.withdraw(lost, now=now)
                 declared = {d.peer_id for d in decls}
+                if not company:
+                    company = any(
+                        d.peer_id != me.peer_id and mm.compat_key(d) == mine for d in decls
+                    )
+                    if not company and now - start >= (alone_unless_seen_s or 0.0):
+                        return machine.withdraw(f"nobody else is at slot {me.slot}", now=now)
                 if liveness is not None:  # a peer in its hold would not answer
                     decls = [d for d in decls if not liveness.suspected(d.peer_id, now)]
                 if banned is not None:

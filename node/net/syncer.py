@@ -515,7 +515,9 @@ class Syncer:
             if isinstance(action, fs.SyncDone):
                 return action
             if isinstance(action, fs.FindGroup):
-                found = await self._find_group(machine, action.declaration, seen)
+                found = await self._find_group(
+                    machine, action.declaration, seen, only_if_present=action.only_if_present
+                )
                 holdings = await self._holdings(machine.fragment, seen)
                 action = await self.engine_call(machine.matched, found, holdings)
                 self._log_slot(action, machine, seen)
@@ -560,8 +562,18 @@ class Syncer:
             )
 
     async def _find_group(
-        self, machine: fs.FragmentSync, me: mm.Declaration, seen: dict[str, tuple[int, str]]
+        self,
+        machine: fs.FragmentSync,
+        me: mm.Declaration,
+        seen: dict[str, tuple[int, str]],
+        *,
+        only_if_present: bool = False,
     ) -> mm.Formed | mm.Alone:
+        """Matchmaking for ``me``'s slot. ``only_if_present`` (a slot the sync moved to
+        after a rebase, see :class:`~atoll.protocol.sync.FindGroup`): no patience and no
+        hold of the trainer, and the node leaves the slot when nobody else has declared
+        it within the answer bound."""
+
         def on_view(decls: list[mm.Declaration]) -> None:
             for d in decls:
                 if d.peer_id != self.transport.peer_id:
@@ -594,11 +606,16 @@ class Syncer:
             background=self.background,
             answer_s=answer_bound(self.timeouts),
             liveness=self.peers.liveness,
-            patience_s=matchmaking_s,
-            expected=functools.partial(self.peers.expected, me.fragment, me.version),
+            patience_s=0.0 if only_if_present else matchmaking_s,
+            expected=None
+            if only_if_present
+            else functools.partial(self.peers.expected, me.fragment, me.version),
             banned=self._banned if self.strikes is not None else None,
             outdated=outdated,
-            hold=None if self.on_hold is None else functools.partial(self.on_hold, me.fragment),
+            hold=None
+            if self.on_hold is None or only_if_present
+            else functools.partial(self.on_hold, me.fragment),
+            alone_unless_seen_s=answer_bound(self.timeouts) if only_if_present else None,
             step_period=self.engine.config.H,
             max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
         )

@@ -55,6 +55,8 @@ class RoundSetup:
     round_s: float = 15.0
     poll_s: float = 0.5
     linger_s: float = 10.0
+    alone_unless_seen_s: float | None = None
+    """see :func:`~atoll.node.net.rounds.run_matchmaking`"""
 
     @property
     def ttl_s(self) -> float:
@@ -156,6 +158,7 @@ async def run_peer(
         ttl_s=setup.ttl_s,
         wall=net.wall,
         poll_s=setup.poll_s,
+        alone_unless_seen_s=setup.alone_unless_seen_s,
     )
     if isinstance(result.found, mm.Formed):
         spec = ar.RoundSpec(

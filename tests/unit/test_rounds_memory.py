@@ -76,6 +76,28 @@ def test_four_peers_form_one_group_and_commit_the_reference_average(
     h.run_mock(main)
 
 
+def test_a_slot_joined_only_if_present_is_left_at_once_when_nobody_declared_it(
+    h: ModuleType,
+) -> None:
+    """A peer that moved to a newer slot mid-sync (``alone_unless_seen_s``): alone there,
+    it withdraws at the first view after the bound instead of waiting out matchmaking;
+    with company it forms its group as usual."""
+    setup = h.RoundSetup(alone_unless_seen_s=2.0)
+
+    async def main() -> None:
+        async with MemoryNetwork.open(seed=1) as net:
+            lone = await h.run_peers(net, setup, h.contributors(setup, 1, seed=1))
+            company = await h.run_peers(net, setup, h.contributors(setup, 3, seed=2))
+        (r,) = lone.values()
+        assert isinstance(r.found, mm.Alone) and r.found.withdrawn, r.found
+        assert "nobody else is at slot 7" in r.found.reason
+        assert 2.0 <= r.ended_at <= 2.0 + 2 * setup.poll_s < setup.matchmaking_s
+        assert len({r.members for r in company.values()}) == 1
+        assert all(r.done and len(r.members) == 3 for r in company.values())
+
+    h.run_mock(main)
+
+
 # --------------------------------------------------------------------------------------
 # peers killed or silenced
 # --------------------------------------------------------------------------------------

@@ -383,7 +383,7 @@ def test_withdrawn_from_a_losing_copy_the_peer_offers_its_delta_at_the_winner() 
     action = sync.matched(mm.Alone("withdrawn: lost", withdrawn=True), fork)
     assert action == fs.FetchState(0, "peer-side-0", (0, other.digest(0)), N)
     again = sync.fetched(other.export_fragment(0, step=50))
-    assert isinstance(again, fs.FindGroup)
+    assert isinstance(again, fs.FindGroup) and not again.only_if_present  # forming now
     d = again.declaration
     assert (d.slot, d.version, d.digest, d.declared_at) == (0, 0, other.digest(0), 7.0)
     pending = engine.pending(0)
@@ -396,9 +396,11 @@ def test_withdrawn_from_a_losing_copy_the_peer_offers_its_delta_at_the_winner() 
     assert engine.stats(0).skipped == 2  # the import's skip of Δ, then the round's
 
 
-def test_withdrawn_for_a_newer_version_the_peer_joins_the_swarms_slot() -> None:
-    """A copy two versions ahead (the swarm's round of that slot is forming as the peer
-    learns of it): the peer copies it and offers its Δ there, at half weight."""
+def test_withdrawn_for_a_newer_version_the_peer_joins_the_swarms_slot_if_present() -> None:
+    """A copy two versions ahead: the peer copies it and offers its Δ there, at half
+    weight, if somebody is at that slot now (the driver's matchmaking finds out: the
+    winners may have committed the slot only a moment ago, and come back a period later);
+    alone there, the sync ends rebased with nothing pending."""
     engine = _engine()
     other, ahead = _two_ahead()
     sync = _sync(engine)
@@ -408,8 +410,21 @@ def test_withdrawn_for_a_newer_version_the_peer_joins_the_swarms_slot() -> None:
     assert isinstance(action, fs.FetchState)
     again = sync.fetched(other.export_fragment(0, step=9))
     assert isinstance(again, fs.FindGroup) and again.declaration.slot == 2
+    assert again.only_if_present
     run = sync.matched(_formed(ME, "b"))
     assert isinstance(run, fs.RunRound) and run.weight == first.weight / 2
+    # nobody at the new slot: rebased, alone, the Δ dropped
+    lone = _sync(_engine())
+    lone.begin(_local(1.0), step=3)
+    lone.plan([], wall_now=0.0)
+    assert isinstance(
+        lone.matched(mm.Alone("withdrawn: behind", withdrawn=True), [ahead]), fs.FetchState
+    )
+    assert isinstance(lone.fetched(other.export_fragment(0, step=9)), fs.FindGroup)
+    done = lone.matched(mm.Alone("nobody else is at slot 2", withdrawn=True), [ahead])
+    assert isinstance(done, fs.SyncDone) and done.rebased and done.round_status == "alone"
+    assert done.reason == "rebased to version 2, then alone: nobody else is at slot 2"
+    assert lone.engine.pending(0) is None and lone.engine.version(0) == 2
 
 
 def test_withdrawn_for_a_copy_far_ahead_the_round_is_rolled_back_then_rebased() -> None:
