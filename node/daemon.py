@@ -96,6 +96,8 @@ class NodeSummary:
     rounds_applied: int
     rounds_failed: int
     rounds_alone: int
+    rounds_ahead: int
+    """of the rounds applied, those in a group formed ahead of the sync"""
     rebases: int
     waits_run_out: int
     steps_jumped: int
@@ -250,6 +252,7 @@ def run_node(
                 "join_timeout_s": cfg.join_timeout_s,
                 "seed": manifest.seed,
                 "wait_peers": cfg.wait_peers,
+                "ahead_s": cfg.ahead_s,
                 "fault": cfg.fault,
                 "attack": cfg.attack,
                 "cert_file": cfg.cert,
@@ -345,10 +348,11 @@ def _train(
 
     jump_to = 0  # a rebase found the swarm at this step (0: no jump)
     last_report = time.monotonic()
-    # a lag within one sync interval is left alone: the peers due at a slot wait for this
-    # node there (matchmaking's patience holds their trainers), and a jump to the serving
-    # peer's step (the fastest peer's, often) would have it arrive first at the next slot
-    lag_allowed = schedule.H // schedule.fragments
+    # a lag within one period (H steps) is left alone: the peers due at a slot wait for
+    # this node there (matchmaking's patience holds their trainers), while a jump to the
+    # serving peer's step (the fastest peer's, often, and its counter may differ from the
+    # others' by whole periods) skips this node's own syncs of the slots they wait at
+    lag_allowed = schedule.H
     realign_to = -1  # its peers refused this node as out of step: their step
     while run.step < run.end and not stop.by:
         if realign_to >= 0 and realign_to != run.step:
@@ -595,6 +599,7 @@ class _Run:
             rounds_applied=status.rounds_applied,
             rounds_failed=status.rounds_failed,
             rounds_alone=status.rounds_alone,
+            rounds_ahead=status.rounds_ahead,
             rebases=status.rebases,
             waits_run_out=waits_run_out,
             steps_jumped=self.jumped,

@@ -267,6 +267,10 @@ class NodeConfig:
     """a slow peer, for tests and benchmarks (bench/churn.py): after each step the trainer
     sleeps (slowdown - 1) times that step's compute time, so 2.0 trains half as fast
     (usually from ATOLL_SLOWDOWN; 1.0: no delay)"""
+    ahead_s: float = 3.0
+    """form each fragment's group this many seconds before the trainer reaches its sync
+    (at most half the manifest's matchmaking timeout), so that a sync costs the exchange
+    alone; 0: each sync forms its group when it starts"""
 
     def __post_init__(self) -> None:
         if not self.run.strip():
@@ -277,6 +281,8 @@ class NodeConfig:
             raise ConfigError(f"checkpoint_every_s must be >= 0, not {self.checkpoint_every_s}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"checkpoint_keep must be >= 1, not {self.checkpoint_keep}")
+        if not (math.isfinite(self.ahead_s) and self.ahead_s >= 0):
+            raise ConfigError(f"ahead_s must be >= 0, not {self.ahead_s}")
         if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
             raise ConfigError(f"slowdown must be >= 1, not {self.slowdown}")
         if not (math.isfinite(self.join_timeout_s) and self.join_timeout_s > 0):

@@ -72,6 +72,8 @@ class NodeStatus:
     rounds_failed: int = 0
     rounds_alone: int = 0
     """rounds that found no group (nothing applied)"""
+    rounds_ahead: int = 0
+    """rounds applied in a group formed ahead of the sync (atoll.node.net.ahead)"""
     rebases: int = 0
     """fragments copied from a peer that held the swarm's leading state"""
     last_sync: Mapping[int, str] = field(default_factory=dict)
@@ -115,6 +117,7 @@ class NodeStatus:
             "rounds_applied": self.rounds_applied,
             "rounds_failed": self.rounds_failed,
             "rounds_alone": self.rounds_alone,
+            "rounds_ahead": self.rounds_ahead,
             "rebases": self.rebases,
             "last_sync": {str(k): v for k, v in self.last_sync.items()},
             "round_s": list(self.round_s),
@@ -248,6 +251,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "rounds_applied": _int,
     "rounds_failed": _int,
     "rounds_alone": _int,
+    "rounds_ahead": _int,
     "rebases": _int,
     "last_sync": _last_sync,
     "round_s": _tuple_of(_float),

@@ -61,6 +61,7 @@ from atoll.dht.kad import AtollDHT
 from atoll.dht.records import PeerRecord
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
+from atoll.node.net.ahead import AHEAD_S, Ahead
 from atoll.node.net.attacks import Attack, HostileTransport, forged_versions, parse_attack
 from atoll.node.net.bridge import (
     Settled,
@@ -128,6 +129,7 @@ class _Node:
         signer: EnvelopeSigner,
         verifier: EnvelopeVerifier,
         attack: Attack | None = None,
+        ahead_s: float = AHEAD_S,
     ) -> None:
         self.attack = attack
         """this node's attack (benchmarks and tests; None: an honest node)"""
@@ -224,6 +226,13 @@ class _Node:
             attestations=dht,
         )
         self.strikes.on_ban = self.evidence.on_ban
+        lead = min(ahead_s, timeouts.matchmaking_s / 2)
+        self.ahead = (
+            Ahead(engine.schedule, self.syncer.prepare, trio.current_time, lead_s=lead)
+            if lead > 0
+            else None
+        )
+        """forms each fragment's group shortly before its sync (None: off)"""
         self._changes = 0  # commits and imports so far: a record is due after each
         self.training = True
         """False once the trainer stopped (published in the record)"""
@@ -297,8 +306,11 @@ class _Node:
         return await self.dht.probe(peer)
 
     def note_step(self, step: int) -> None:
-        """The trainer's current step: handed to the peers that copy a state from here."""
+        """The trainer's current step: handed to the peers that copy a state from here,
+        and the clock of the groups formed ahead of syncs."""
         self.syncer.step = max(self.syncer.step, step)
+        if self.ahead is not None and self.training:
+            self.ahead.note(step)
 
     async def settle(self, timeout_s: float) -> Settled:
         """At the end of a run: rebase every fragment whose copy is not the one the
@@ -514,6 +526,7 @@ async def swarm_worker(
     cert_file: str = "",
     attack: str = "",
     resume: EnginePart | None = None,
+    ahead_s: float = AHEAD_S,
 ) -> None:
     """The network process of a swarm node (see the module docstring).
 
@@ -524,7 +537,9 @@ async def swarm_worker(
     attack injection (:func:`~atoll.node.net.attacks.parse_attack`). ``resume`` is the
     engine part of the checkpoint the trainer resumed from (:mod:`atoll.node.snapshot`):
     the global copies, outer momentum and versions the node held when it stopped, and
-    the certificate seals it kept.
+    the certificate seals it kept. ``ahead_s``: how long before the trainer reaches a
+    fragment's sync its group starts forming (:mod:`atoll.node.net.ahead`; at most half
+    the matchmaking timeout; 0: never ahead).
     """
     if manifest.aggregation != "mean":
         raise ConfigError(
@@ -589,6 +604,7 @@ async def swarm_worker(
             signer=signer,
             verifier=verifier,
             attack=hostile,
+            ahead_s=ahead_s,
         )
         if seals or own_seals:
             certified = node.restore_seals(seals, own_seals)

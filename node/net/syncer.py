@@ -55,6 +55,19 @@ same way: the encoding and piece hashes of a state are computed once, off the ev
 loop, and kept for the next joiners while the engine holds that state
 (:data:`MAX_SOURCES` fragments at most).
 
+Groups formed ahead. Matchmaking needs nothing of the trainer's Δ: the slot, version and
+digest are the fragment's global copy, which does not change between two of its syncs,
+and the step is the schedule's. :meth:`Syncer.prepare` (the node calls it a few seconds
+before the trainer reaches a fragment's sync, :mod:`atoll.node.net.ahead`) runs that
+matchmaking in the background, and the sync that follows takes its group instead of
+forming one: a sync then costs the exchange alone, its announce, lookups, joins and group
+list hidden behind training. The group is used only when the sync declares exactly what
+was prepared (slot, version, digest and step); otherwise (the sync rebased first, say)
+this node tells the group's other members that it leaves it (an
+:class:`~atoll.protocol.allreduce.Abort` of the round, which ends their round at once
+rather than at its part deadline). A prepared matchmaking that ended alone before the
+sync began is tried again by the sync; one still running is waited for.
+
 It depends only on the seams of :mod:`atoll.node.net.seam`, so the same driver runs a
 node's syncs over libp2p and a test's over :mod:`atoll.node.net.memory` under a fake
 clock. It also answers peers' state requests (:meth:`Syncer.serve_request`).
@@ -66,7 +79,7 @@ import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -176,6 +189,24 @@ class SyncReport:
     seconds: float
     traffic: RoundTraffic | None = None
     """set when an all-reduce ran"""
+    ahead: bool = False
+    """its group was formed ahead of the sync (:meth:`Syncer.prepare`)"""
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A matchmaking run ahead of fragment ``p``'s sync at ``step``."""
+
+    step: int
+    declaration: mm.Declaration
+    started_at: float
+    seen: dict[str, tuple[int, str]] = field(default_factory=dict)
+    done: trio.Event = field(default_factory=trio.Event)
+    found: mm.Formed | mm.Alone | None = None
+    ended_at: float = 0.0
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    hold_until: float | None = None
+    """while its matchmaking waits with patience for peers due at the slot: until when"""
 
 
 class Syncer:
@@ -260,6 +291,10 @@ class Syncer:
         """told ``(fragment, seconds)`` while a sync waits with patience for peers due at
         its slot, and ``(fragment, 0)`` when its matchmaking ends (the trainer waits
         meanwhile; see :func:`~atoll.node.net.rounds.run_matchmaking`)"""
+        self._ahead: dict[int, _Ahead] = {}
+        """fragment -> its matchmaking run ahead of its next sync (:meth:`prepare`)"""
+        self._syncing: set[int] = set()
+        """fragments with a sync in flight"""
 
     async def engine_call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (engine work) in a thread under :attr:`lock`."""
@@ -469,17 +504,25 @@ class Syncer:
         self.step = max(self.step, step)
         machine = self._machine(p)
         report = SyncReport(fs.SyncDone(p, step, False, -1, "", "none"), 0.0)
+        self._syncing.add(p)
+        ahead = self._ahead.pop(p, None)
         try:
             await self.engine_call(machine.begin, local, step)
             mine = await self.certify(p, within=CERTIFY_IN_SYNC_S)
             holdings = self.peers.holdings(p, mine)
             plan = functools.partial(machine.plan, holdings, wall_now=self.wall())
             action = await self.engine_call(plan)
-            report.done = await self._drive(machine, action, report)
+            if ahead is not None and not self._fits(ahead, action, step):
+                self._drop_ahead(p, ahead, "its sync declared another state")
+                ahead = None
+            report.done = await self._drive(machine, action, report, ahead=ahead, t0=t0)
         except BaseException as e:
+            if ahead is not None:
+                self._drop_ahead(p, ahead, "its sync was cancelled")
             await self._abort(machine, e)
             raise
         finally:
+            self._syncing.discard(p)
             self._attested(machine)
         report.seconds = round(trio.current_time() - t0, 3)
         return report
@@ -508,16 +551,27 @@ class Syncer:
                 machine.abort(reason)
 
     async def _drive(
-        self, machine: fs.FragmentSync, action: fs.Action, report: SyncReport | None
+        self,
+        machine: fs.FragmentSync,
+        action: fs.Action,
+        report: SyncReport | None,
+        *,
+        ahead: _Ahead | None = None,
+        t0: float = 0.0,
     ) -> fs.SyncDone:
         seen: dict[str, tuple[int, str]] = {}
         while True:
             if isinstance(action, fs.SyncDone):
                 return action
             if isinstance(action, fs.FindGroup):
-                found = await self._find_group(
-                    machine, action.declaration, seen, only_if_present=action.only_if_present
-                )
+                found = await self._ahead_group(ahead, seen, t0) if ahead is not None else None
+                if report is not None and found is not None:
+                    report.ahead = True
+                ahead = None  # the first FindGroup only
+                if found is None:
+                    found = await self._find_group(
+                        machine, action.declaration, seen, only_if_present=action.only_if_present
+                    )
                 holdings = await self._holdings(machine.fragment, seen)
                 action = await self.engine_call(machine.matched, found, holdings)
                 self._log_slot(action, machine, seen)
@@ -549,6 +603,108 @@ class Syncer:
             else:
                 action = await self._fetch(machine, action)
 
+    # -- groups formed ahead of a sync ---------------------------------------------------------
+    def prepare(self, p: int, step: int) -> bool:
+        """Start forming the group of fragment ``p``'s sync at ``step`` now, in the
+        background (see the module docstring); False when nothing was started (one runs or
+        ran for that step already, a sync of ``p`` is in flight, or there is no
+        background nursery). A matchmaking prepared for another step is dropped."""
+        old = self._ahead.get(p)
+        if self.background is None or p in self._syncing or (old is not None and old.step == step):
+            return False
+        if old is not None:
+            self._drop_ahead(p, old, "another sync step is due")
+        version, digest = self._mine(p)
+        me = mm.Declaration(
+            self.run_id, p, version, self.transport.peer_id, version, digest, 0.0, self.wall(), step
+        )
+        ahead = _Ahead(step, me, trio.current_time())
+        self._ahead[p] = ahead
+        self.background.start_soon(self._run_ahead, p, ahead)
+        return True
+
+    def prepared(self, p: int) -> int | None:
+        """The step of the sync of ``p`` whose group is being (or was) formed ahead."""
+        ahead = self._ahead.get(p)
+        return None if ahead is None else ahead.step
+
+    async def _run_ahead(self, p: int, ahead: _Ahead) -> None:
+        with ahead.scope:
+            try:
+                # an idle machine: outdated() answers nothing before the sync (the sync's
+                # own plan looks at the swarm's states again), and nothing is held
+                ahead.found = await self._find_group(
+                    self._machine(p),
+                    ahead.declaration,
+                    ahead.seen,
+                    hold=functools.partial(self._hold_ahead, ahead),
+                )
+            finally:
+                ahead.ended_at = trio.current_time()
+                ahead.done.set()
+
+    @staticmethod
+    def _hold_ahead(ahead: _Ahead, seconds: float) -> None:
+        """Matchmaking ahead waits with patience (``seconds`` > 0) or stopped (0): noted,
+        and passed to the trainer only once the sync takes the group (it is not held
+        before its sync step)."""
+        ahead.hold_until = trio.current_time() + seconds if seconds > 0 else None
+
+    @staticmethod
+    def _fits(ahead: _Ahead, action: fs.Action, step: int) -> bool:
+        """Whether the sync's first action declares what ``ahead`` prepared."""
+        if not isinstance(action, fs.FindGroup) or action.only_if_present:
+            return False
+        mine, d = ahead.declaration, action.declaration
+        return ahead.step == step == d.step and mm.compat_key(mine) == mm.compat_key(d)
+
+    async def _ahead_group(
+        self, ahead: _Ahead, seen: dict[str, tuple[int, str]], t0: float
+    ) -> mm.Formed | mm.Alone | None:
+        """The group ``ahead`` formed (waiting for its matchmaking, which is bounded by
+        its own deadline), or None when the sync should look again itself: it ended
+        alone before the sync began. While it waits with patience the trainer is held, as
+        a sync's own matchmaking holds it."""
+        p = ahead.declaration.fragment
+        held = self.on_hold is not None and ahead.hold_until is not None
+        if held:
+            assert self.on_hold is not None and ahead.hold_until is not None
+            self.on_hold(p, max(0.0, ahead.hold_until - trio.current_time()))
+        try:
+            await ahead.done.wait()
+        finally:
+            if held:
+                assert self.on_hold is not None
+                self.on_hold(p, 0.0)
+        seen.update(ahead.seen)
+        found = ahead.found
+        if found is None or (isinstance(found, mm.Alone) and ahead.ended_at < t0):
+            return None
+        return found
+
+    def _drop_ahead(self, p: int, ahead: _Ahead, why: str) -> None:
+        """Stop ``ahead``'s matchmaking; when it formed a group, tell the other members that
+        this node leaves it (their round fails at once instead of at its deadline)."""
+        if self._ahead.get(p) is ahead:
+            del self._ahead[p]
+        ahead.scope.cancel()
+        found = ahead.found
+        if not isinstance(found, mm.Formed) or self.background is None:
+            return
+        me = self.transport.peer_id
+        d = ahead.declaration
+        logger.info("fragment %d: leaving the group formed ahead at slot %d: %s", p, d.slot, why)
+        abort = ar.Abort(self.run_id, p, d.version, me, f"left the group formed ahead: {why}")
+        for peer in found.members:
+            if peer != me:
+                self.background.start_soon(self._send_quietly, peer, abort)
+
+    async def _send_quietly(self, peer: str, msg: object) -> None:
+        try:
+            await self.transport.send(peer, msg)
+        except AtollError as e:
+            logger.debug("telling %s failed: %s", peer, e)
+
     def _strike(self, key: ar.RoundKey, failed: ar.Failed) -> None:
         """Strike the culprit of a failed round: the peer whose part this node rejected,
         or one whose own abort names its own part (see :mod:`atoll.protocol.strikes`)."""
@@ -568,11 +724,13 @@ class Syncer:
         seen: dict[str, tuple[int, str]],
         *,
         only_if_present: bool = False,
+        hold: Callable[[float], None] | None = None,
     ) -> mm.Formed | mm.Alone:
         """Matchmaking for ``me``'s slot. ``only_if_present`` (a slot the sync moved to
         after a rebase, see :class:`~atoll.protocol.sync.FindGroup`): no patience and no
         hold of the trainer, and the node leaves the slot when nobody else has declared
-        it within the answer bound."""
+        it within the answer bound. ``hold``: instead of :attr:`on_hold` (a group formed
+        ahead of the sync, whose trainer is not held before its sync step)."""
 
         def on_view(decls: list[mm.Declaration]) -> None:
             for d in decls:
@@ -592,6 +750,8 @@ class Syncer:
             return f"the swarm follows version {lead[0]} ({lead[1][:12]}), not this one"
 
         matchmaking_s = self.timeouts.matchmaking_s
+        if hold is None and self.on_hold is not None and not only_if_present:
+            hold = functools.partial(self.on_hold, me.fragment)
         return await run_matchmaking(
             self.transport,
             self.mailbox,
@@ -612,9 +772,7 @@ class Syncer:
             else functools.partial(self.peers.expected, me.fragment, me.version),
             banned=self._banned if self.strikes is not None else None,
             outdated=outdated,
-            hold=None
-            if self.on_hold is None or only_if_present
-            else functools.partial(self.on_hold, me.fragment),
+            hold=hold,
             alone_unless_seen_s=answer_bound(self.timeouts) if only_if_present else None,
             step_period=self.engine.config.H,
             max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,

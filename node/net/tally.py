@@ -31,6 +31,8 @@ class SyncTally:
     rounds_applied: int = 0
     rounds_failed: int = 0
     rounds_alone: int = 0
+    rounds_ahead: int = 0
+    """applied in a group formed ahead of the sync"""
     rebases: int = 0
     last_sync: dict[int, str] = field(default_factory=dict)
     round_s: list[float] = field(default_factory=list)
@@ -55,6 +57,7 @@ class SyncTally:
             self.group_sizes = [*self.group_sizes[-_RECENT + 1 :], len(done.members)]
         if done.round_status == "applied":
             self.rounds_applied += 1
+            self.rounds_ahead += int(report.ahead)
             self.last_sync[p] = f"v{version} x{len(done.members)}"
         elif done.round_status == "failed":
             self.rounds_failed += 1
@@ -82,6 +85,7 @@ class SyncTally:
             "rounds_applied": self.rounds_applied,
             "rounds_failed": self.rounds_failed,
             "rounds_alone": self.rounds_alone,
+            "rounds_ahead": self.rounds_ahead,
             "rebases": self.rebases,
             "last_sync": dict(self.last_sync),
             "round_s": tuple(self.round_s),

@@ -1143,3 +1143,72 @@ def test_a_restarted_member_publishes_its_kept_attestation_again() -> None:
             services.cancel_scope.cancel()
 
     _run(main)
+
+
+# --------------------------------------------------------------------------------------
+# groups formed ahead of a sync
+# --------------------------------------------------------------------------------------
+def test_a_group_formed_ahead_makes_the_sync_cost_the_exchange_alone() -> None:
+    """Every node prepares fragment 0's next sync while the trainers still train: the
+    syncs then take the group formed ahead, all four commit one copy, and each sync takes
+    the all-reduce's time only, less than a sync that forms its group itself."""
+
+    async def main() -> None:
+        async with (
+            MemoryNetwork.open(run_id=RUN, delay_s=0.05) as net,
+            trio.open_nursery() as services,
+        ):
+            _, nodes = await _swarm(net, services, 4)
+            await _sync_nodes(nodes, 3, 0)
+            # a sync that forms its group itself: before the all-reduce, a join and the
+            # list (0.05 s each; the leader waits for the joins only)
+            plain = [n.report.seconds - n.report.traffic.seconds for n in nodes]  # type: ignore[union-attr]
+            assert min(plain) > 0.049 and max(plain) > 0.099, plain
+            assert not any(n.report.ahead for n in nodes)  # type: ignore[union-attr]
+            for n in nodes:
+                await n.syncer.peers.refresh()
+                assert n.syncer.prepare(0, 7)
+                assert not n.syncer.prepare(0, 7)  # once per sync step
+                assert n.syncer.prepared(0) == 7
+            await _sync_nodes(nodes, 7, 1)
+            reports = [n.report for n in nodes]
+            assert all(r.ahead and r.done.applied for r in reports), reports  # type: ignore[union-attr]
+            assert all(len(r.done.members) == 4 for r in reports)  # type: ignore[union-attr]
+            assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
+            # ahead: the all-reduce alone
+            assert all(r.seconds - r.traffic.seconds < 0.01 for r in reports), reports  # type: ignore[union-attr]
+            assert all(n.syncer.prepared(0) is None for n in nodes)  # taken by the sync
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> None:
+    """A group formed ahead, then one member's sync declares another step (its group is
+    not for that sync): it tells the others, whose round fails at once rather than at the
+    part deadline, and no node is left with anything pending."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            start = nodes[0].state()
+            for n in nodes:
+                await n.syncer.peers.refresh()
+                assert n.syncer.prepare(0, 3)
+            await trio.sleep(TRAIN_S)
+            locals_ = _locals(4)
+            async with trio.open_nursery() as syncs:
+                for n, local in zip(nodes[:3], locals_[:3], strict=True):
+                    syncs.start_soon(_sync, n, local, 3)
+                syncs.start_soon(_sync, nodes[3], locals_[3], 7)  # in phase, 4 steps on
+            others = [n.report for n in nodes[:3]]
+            assert all(r.done.round_status == "failed" for r in others), others  # type: ignore[union-attr]
+            assert all("left the group formed ahead" in r.done.reason for r in others)  # type: ignore[union-attr]
+            assert all(r.seconds < TIMEOUTS.part_s / 2 for r in others), others  # type: ignore[union-attr]
+            assert not nodes[3].report.ahead  # type: ignore[union-attr]
+            for n in nodes:
+                assert n.engine.pending(0) is None
+                assert n.state() == start or n is nodes[3]
+            services.cancel_scope.cancel()
+
+    _run(main)
