@@ -45,8 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wanlab", help="path of the wanlab tool (the lab must be up)")
     ap.add_argument("--timeouts-scale", type=float, default=1.0)
     ap.add_argument("--workdir", help="keep the nodes' files and logs here")
+    ap.add_argument(
+        "--ahead-s",
+        type=float,
+        default=None,
+        help="the nodes' --ahead-s (seconds before a sync its group starts forming; "
+        "0: each sync forms its own; default: the node's default)",
+    )
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
+    if args.ahead_s is not None:
+        os.environ["ATOLL_AHEAD_S"] = str(args.ahead_s)  # the nodes inherit it
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = DemoConfig(
         nodes=args.nodes,
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         "min_utilisation": min(util) if util else None,
         "mean_utilisation": sum(util) / len(util) if util else None,
         "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
+        "ahead_s": args.ahead_s,
+        "rounds_ahead": {n["name"]: n.get("rounds_ahead") for n in nodes},
         "summary": summary,
     }
     print(
@@ -94,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {n['name']}: utilisation {n['utilisation']}, net wait {n['net_wait_s']} s, "
             f"rounds {n['rounds_applied']} applied / {n['rounds_failed']} failed / "
-            f"{n['rounds_alone']} alone, rebases {n['rebases']}"
+            f"{n['rounds_alone']} alone ({n.get('rounds_ahead')} in groups formed ahead), "
+            f"rebases {n['rebases']}"
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -330,6 +330,7 @@ def _summary(
                 "rounds_applied": s.get("rounds_applied"),
                 "rounds_failed": s.get("rounds_failed"),
                 "rounds_alone": s.get("rounds_alone"),
+                "rounds_ahead": s.get("rounds_ahead"),
                 "rebases": s.get("rebases"),
                 "utilisation": s.get("utilisation"),
                 "tokens": s.get("tokens"),

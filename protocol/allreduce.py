@@ -323,7 +323,11 @@ class AllReduceRound:
         self._payload = bytes(payload)
         self._weight = float(weight)
         self._validator = validator
-        self._caps = dict(weight_caps) if weight_caps else None
+        caps = dict(weight_caps) if weight_caps else {}
+        if math.isfinite(spec.weight_cap):  # the run's cap, the same for every member
+            for mem in spec.members:
+                caps[mem] = min(caps.get(mem, math.inf), float(spec.weight_cap))
+        self._caps = caps or None
         self._tamper_reduced = tamper_reduced
         self._tamper_verified = tamper_verified
         self._bounds = spec.bounds()

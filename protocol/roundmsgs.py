@@ -11,6 +11,7 @@ them from there.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -73,6 +74,9 @@ class RoundSpec:
     every part must meet relative to the group's before its chunk is reduced
     (:class:`checks.PartChecks`); None checks nothing beyond decoding, size, finiteness and
     weight sign. Both come from the run's settings: members of a group must agree on them.
+    ``weight_cap`` is the largest token weight any member's part may carry (the most
+    tokens a contribution can stand for in the run: see :mod:`~atoll.protocol.sync`); a
+    part above it is refused before the reduction, naming its sender. ``inf``: no cap.
     """
 
     key: RoundKey
@@ -86,6 +90,7 @@ class RoundSpec:
     sealed: bool = False
     """every part carries its sender's seal, and a refused part's proof travels with the
     round's abort, so every member can strike its sender (:mod:`~atoll.protocol.partseal`)"""
+    weight_cap: float = math.inf
 
     def __post_init__(self) -> None:
         if not isinstance(self.members, tuple) or not self.members:
@@ -105,6 +110,9 @@ class RoundSpec:
             raise ConfigError(f"verify_owners must be a bool, not {self.verify_owners!r}")
         if not isinstance(self.sealed, bool):
             raise ConfigError(f"sealed must be a bool, not {self.sealed!r}")
+        cap = self.weight_cap
+        if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0:
+            raise ConfigError(f"weight_cap must be > 0, not {cap!r}")
 
     def make_codec(self) -> Codec:
         """The round's codec (:func:`codecs.make_codec` of ``codec`` and ``codec_block``)."""

@@ -70,6 +70,16 @@ without a certificate is never fetched. After a committed round of a formed grou
 :attr:`FragmentSync.attestation` is what this member signs and publishes: the new
 version and digest, the parent digest the round started from and the sorted members.
 
+Token weights. A contribution is weighted by the tokens its peer trained on since the
+fragment's last applied round, which only the peer itself counts. ``weight_cap`` (see
+:func:`weight_cap`) bounds what any peer may claim: the tokens of ``MAX_STALENESS + 1``
+periods of H inner steps of the run's batch, the most that a Δ this machine still offers
+(at most :data:`MAX_STALENESS` rounds missed) can stand for. This peer clips its own
+weight to it (a peer that sat out many rounds counts as that many periods at most), and
+the round's spec carries it, so that every chunk owner refuses a part above it and
+names the sender (:mod:`~atoll.protocol.allreduce`), in a group of any size: the group
+check (``weight_factor`` times the median) needs three parts or more.
+
 Attack injection. ``tamper`` (benchmarks and tests only, None in a real node) sees the
 round's spec, this peer's encoded Δ and its weight in :meth:`FragmentSync.matched` and
 returns what the peer sends instead (:mod:`atoll.node.net.attacks`): the engine keeps the
@@ -87,6 +97,7 @@ make them off its event loop, one engine call at a time.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
@@ -115,6 +126,7 @@ __all__ = [
     "SyncDone",
     "Tamper",
     "holdings_of",
+    "weight_cap",
 ]
 
 log = logging.getLogger(__name__)
@@ -227,6 +239,7 @@ class FragmentSync:
         tamper: Tamper | None = None,
         verify_owners: bool = False,
         sealed: bool = False,
+        weight_cap: float = math.inf,
     ) -> None:
         if not 0 <= fragment < engine.num_fragments:
             raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
@@ -240,6 +253,7 @@ class FragmentSync:
         self._checks = checks
         self._verify_owners = verify_owners
         self._sealed = sealed
+        self._weight_cap = float(weight_cap)
         self._tamper = tamper
         self._attestation: Attestation | None = None
         self._phase: Phase = "idle"
@@ -369,8 +383,9 @@ class FragmentSync:
             checks=self._checks,
             verify_owners=self._verify_owners,
             sealed=self._sealed,
+            weight_cap=self._weight_cap,
         )
-        weight = request.weight * self._discount
+        weight = min(request.weight * self._discount, self._weight_cap)
         if self._tamper is not None:
             return RunRound(spec, *self._tamper(spec, request.payload, weight))
         return RunRound(spec, request.payload, weight)
@@ -632,6 +647,14 @@ class FragmentSync:
             swarm_step=self._swarm_step,
         )
         return self._done
+
+
+def weight_cap(H: int, tokens_per_step: int) -> float:
+    """The largest token weight a contribution may carry in a run of period ``H`` whose
+    inner step trains on ``tokens_per_step`` tokens (``inf`` when that is not known, 0)."""
+    if tokens_per_step <= 0:
+        return math.inf
+    return float((MAX_STALENESS + 1) * H * tokens_per_step)
 
 
 def holdings_of(

@@ -50,6 +50,7 @@ from __future__ import annotations
 import base64
 import functools
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -97,6 +98,7 @@ from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import RunManifest
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.strikes import Strikes
+from atoll.protocol.sync import weight_cap
 from atoll.security.identity import load_or_create
 
 __all__ = ["JoinFailed", "join_swarm", "swarm_worker"]
@@ -130,6 +132,7 @@ class _Node:
         verifier: EnvelopeVerifier,
         attack: Attack | None = None,
         ahead_s: float = AHEAD_S,
+        weight_cap: float = math.inf,
     ) -> None:
         self.attack = attack
         """this node's attack (benchmarks and tests; None: an honest node)"""
@@ -212,6 +215,7 @@ class _Node:
             ),
             # a node ahead of its peers waits for them at the slot (NetworkBridge.wait)
             on_hold=functools.partial(post_hold, outbox),
+            weight_cap=weight_cap,
         )
         self.evidence = EvidenceExchange(
             dht,
@@ -527,6 +531,7 @@ async def swarm_worker(
     attack: str = "",
     resume: EnginePart | None = None,
     ahead_s: float = AHEAD_S,
+    tokens_per_step: int = 0,
 ) -> None:
     """The network process of a swarm node (see the module docstring).
 
@@ -539,7 +544,9 @@ async def swarm_worker(
     the global copies, outer momentum and versions the node held when it stopped, and
     the certificate seals it kept. ``ahead_s``: how long before the trainer reaches a
     fragment's sync its group starts forming (:mod:`atoll.node.net.ahead`; at most half
-    the matchmaking timeout; 0: never ahead).
+    the matchmaking timeout; 0: never ahead). ``tokens_per_step``: the tokens of one
+    inner step of the run's batch, which bounds every contribution's token weight
+    (:func:`~atoll.protocol.sync.weight_cap`; 0: unbounded).
     """
     if manifest.aggregation != "mean":
         raise ConfigError(
@@ -605,6 +612,7 @@ async def swarm_worker(
             verifier=verifier,
             attack=hostile,
             ahead_s=ahead_s,
+            weight_cap=weight_cap(config.H, tokens_per_step),
         )
         if seals or own_seals:
             certified = node.restore_seals(seals, own_seals)

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -238,7 +239,11 @@ class Syncer:
         opener: AttestationVerifier | None = None,
         tamper_reduced: Callable[[bytes], bytes] | None = None,
         on_hold: Callable[[int, float], None] | None = None,
+        weight_cap: float = math.inf,
     ) -> None:
+        self.weight_cap = weight_cap
+        """the largest token weight of any member's part (:func:`~atoll.protocol.sync.
+        weight_cap`; ``inf``: none)"""
         self.signer = signer
         self.opener = opener
         """seal this node's parts and open the others' (both set: rounds with part checks
@@ -316,6 +321,7 @@ class Syncer:
             tamper=self.tamper,
             verify_owners=self.robust.verify_owners,
             sealed=self.sealed,
+            weight_cap=self.weight_cap,
         )
 
     @property

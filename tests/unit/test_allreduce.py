@@ -635,6 +635,23 @@ def test_weight_caps_reject_the_peer_above_its_cap() -> None:
     assert set(ok.done()) == set(spec.members)
 
 
+def test_the_runs_weight_cap_in_the_spec_refuses_an_inflated_part_in_a_pair() -> None:
+    """The spec's cap holds at every owner, in a group too small for the group checks:
+    a pair whose second member claims more than the cap fails, naming it."""
+    spec, payloads, weights, _ = honest_inputs(2, 1000, "fp32")
+    capped = replace(spec, weight_cap=max(weights) - 1.0)
+    net = run_net(Net(capped, payloads, weights))
+    assert net.done() == {}
+    heavy = spec.members[weights.index(max(weights))]
+    other = next(m for m in spec.members if m != heavy)
+    assert net.failed()[other].culprit == heavy and "cap" in net.failed()[other].reason
+    fits = replace(spec, weight_cap=max(weights))
+    assert set(run_net(Net(fits, payloads, weights)).done()) == set(spec.members)
+    for bad in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ConfigError, match="weight_cap"):
+            replace(spec, weight_cap=bad)
+
+
 def test_an_owner_whose_own_part_fails_the_checks_blames_nobody() -> None:
     spec, payloads, weights, xs = honest_inputs(4, 2000, "fp32", checks=PartChecks())
     payloads[0] = spec.make_codec().encode(xs[0] * np.float32(1e3))

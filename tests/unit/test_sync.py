@@ -454,3 +454,17 @@ def test_withdrawn_when_nobody_serves_the_winner_the_round_is_rolled_back() -> N
     assert done.round_status == "alone" and not done.applied and not done.rebased
     assert "no holder served it" in done.reason
     assert engine.pending(0) is None and engine.stats(0).skipped == 1
+
+
+def test_the_weight_cap_clips_this_peers_weight_and_rides_in_the_spec() -> None:
+    engine = _engine()
+    sync = fs.FragmentSync(engine, 0, peer_id=ME, run_id=RUN, weight_cap=100.0)
+    engine.add_tokens(5000)
+    first = sync.begin(_local(1.0), step=3)
+    assert first.weight == 5000
+    sync.plan([], wall_now=0.0)
+    run = sync.matched(_formed(ME, "b"))
+    assert isinstance(run, fs.RunRound)
+    assert run.weight == 100.0 and run.spec.weight_cap == 100.0
+    assert fs.weight_cap(30, 1024) == (fs.MAX_STALENESS + 1) * 30 * 1024
+    assert fs.weight_cap(30, 0) == float("inf")
