@@ -314,6 +314,7 @@ class _Node:
         and the clock of the groups formed ahead of syncs."""
         self.syncer.step = max(self.syncer.step, step)
         if self.ahead is not None and self.training:
+            self.syncer.passed(step)
             self.ahead.note(step)
 
     async def settle(self, timeout_s: float) -> Settled:

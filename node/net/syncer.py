@@ -629,6 +629,14 @@ class Syncer:
         self.background.start_soon(self._run_ahead, p, ahead)
         return True
 
+    def passed(self, step: int) -> None:
+        """The trainer is at ``step``: drop the groups formed ahead for syncs it went past
+        without starting them (it jumped), telling their members at once. Two steps of
+        margin: a sync's start reaches this process before the trainer's next notes."""
+        for p, ahead in list(self._ahead.items()):
+            if ahead.step + 2 < step:
+                self._drop_ahead(p, ahead, "the trainer went past its sync step")
+
     def prepared(self, p: int) -> int | None:
         """The step of the sync of ``p`` whose group is being (or was) formed ahead."""
         ahead = self._ahead.get(p)
