@@ -216,6 +216,9 @@ class _Node:
             # a node ahead of its peers waits for them at the slot (NetworkBridge.wait)
             on_hold=functools.partial(post_hold, outbox),
             weight_cap=weight_cap,
+            # no fresh connection (Node.probe's): an absent peer may still be in a round
+            # with this node on another fragment
+            probe=dht.probe,
         )
         self.evidence = EvidenceExchange(
             dht,

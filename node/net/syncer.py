@@ -240,7 +240,14 @@ class Syncer:
         tamper_reduced: Callable[[bytes], bytes] | None = None,
         on_hold: Callable[[int, float], None] | None = None,
         weight_cap: float = math.inf,
+        probe: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
+        self.probe = probe
+        """asks a peer whether it answers (the liveness hears of the outcome): a peer due
+        at a slot that never declared there is probed once the matchmaking ends, so that a
+        killed peer, whose record outlives it, stops counting toward group sizes and
+        quorums within seconds instead of when its record expires"""
+        self._probing: set[str] = set()
         self.weight_cap = weight_cap
         """the largest token weight of any member's part (:func:`~atoll.protocol.sync.
         weight_cap`; ``inf``: none)"""
@@ -766,7 +773,7 @@ class Syncer:
         matchmaking_s = self.timeouts.matchmaking_s
         if hold is None and self.on_hold is not None and not only_if_present:
             hold = functools.partial(self.on_hold, me.fragment)
-        return await run_matchmaking(
+        found = await run_matchmaking(
             self.transport,
             self.mailbox,
             self.board,
@@ -791,6 +798,30 @@ class Syncer:
             step_period=self.engine.config.H,
             max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
         )
+        self._probe_absent(me, seen)
+        return found
+
+    def _probe_absent(self, me: mm.Declaration, seen: dict[str, tuple[int, str]]) -> None:
+        """Probe, in the background, the peers due at ``me``'s slot that never declared
+        there (see :attr:`probe`), each once at a time."""
+        if self.probe is None or self.background is None:
+            return
+        absent = [
+            p
+            for p in self.peers.expected(me.fragment, me.version)
+            if p not in seen and p != me.peer_id and p not in self._probing
+        ]
+        for peer in absent:
+            self._probing.add(peer)
+            self.background.start_soon(self._probe_one, peer)
+
+    async def _probe_one(self, peer: str) -> None:
+        assert self.probe is not None
+        try:
+            if not await self.probe(peer):
+                logger.info("peer %s was due at a slot, never came, and does not answer", peer)
+        finally:
+            self._probing.discard(peer)
 
     async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:
         """Copy the state from up to three of its holders at once (see the module

@@ -144,6 +144,7 @@ async def _node(
     codec: str = "e3m0",
     group: GroupSettings = GROUP,
     robust: RobustSettings | None = None,
+    probes: bool = False,
 ) -> Node:
     engine = OuterEngine(_config(codec), Schedule(4, 1), [initial])
     transport = net.transport(peer)
@@ -160,7 +161,9 @@ async def _node(
     tracker = PeerTracker(
         peer, group, directory=directory, wall=net.wall, liveness=liveness, beliefs=beliefs
     )
-    board = net.board_of(peer, liveness)
+    # with probes, the board does not tell the liveness of the peers its writes missed:
+    # a larger swarm, where a peer is seldom among the closest peers of a key
+    board = net.board_of(peer, None if probes else liveness)
     attester = AttestationPublisher(
         board,
         EnvelopeSigner(_identity(peer)),
@@ -174,6 +177,19 @@ async def _node(
 
     async def on_request(sender: str, msg: object) -> None:
         await holder[0].serve_request(sender, msg)
+
+    async def probe(to: str) -> bool:
+        """A dial: refused by a killed peer at once, unanswered by a silent one within
+        the dial timeout (the liveness hears of it, as the host's proxy tells it in a
+        node)."""
+        await trio.sleep(0.01)
+        if not net.reaches(peer, to):
+            if not net.is_dead(to):
+                await trio.sleep(TIMEOUTS.dial_s)
+            liveness.failed(to, trio.current_time(), "no answer to a probe")
+            return False
+        liveness.heard(to, trio.current_time())
+        return True
 
     mailbox = Mailbox(transport, on_request=on_request, hold_s=TIMEOUTS.round_s, liveness=liveness)
     syncer = Syncer(
@@ -192,6 +208,7 @@ async def _node(
         attest=attester.submit,
         attested=attester.sealed_for,
         robust=robust,
+        probe=probe if probes else None,
     )
     holder.append(syncer)
     node.syncer = syncer
@@ -208,12 +225,22 @@ async def _swarm(
     numel: int = N,
     codec: str = "e3m0",
     robust: RobustSettings | None = None,
+    probes: bool = False,
 ) -> tuple[Directory, list[Node]]:
     """``n`` nodes ``peer-0``... holding the same zero initial copy of ``numel`` values."""
     directory = Directory(net)
     init = np.zeros(numel, np.float32)
     nodes = [
-        await _node(net, directory, f"peer-{i}", services, initial=init, codec=codec, robust=robust)
+        await _node(
+            net,
+            directory,
+            f"peer-{i}",
+            services,
+            initial=init,
+            codec=codec,
+            robust=robust,
+            probes=probes,
+        )
         for i in range(n)
     ]
     return directory, nodes
@@ -1237,6 +1264,38 @@ def test_a_group_formed_ahead_for_a_step_the_trainer_jumped_past_is_left_at_once
             assert all("went past its sync step" in r.done.reason for r in others)  # type: ignore[union-attr]
             assert trio.current_time() - started < TIMEOUTS.part_s / 2
             assert all(n.engine.pending(0) is None for n in nodes)
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_silent_peers_due_at_a_slot_stop_counting_once_probed() -> None:
+    """Two of four nodes go silent (their links drop without a goodbye; their records
+    stay live): the others count four peers, so the majority (3) is out of reach and
+    their next sync ends alone. The peers due at the slot that never came are probed as
+    it ends; the probes go unanswered, the two stop counting, and the others' following
+    sync commits as a pair. (A killed peer's dial is refused at once, the same way.) The
+    board here does not tell the liveness of the peers its writes missed, as in a swarm
+    large enough that they are seldom among the closest peers of the slot's key."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4, probes=True)
+            await _sync_nodes(nodes, 3, 0)
+            for gone in nodes[2:]:
+                net.silence(gone.peer)
+            alive = nodes[:2]
+            await _sync_nodes(alive, 7, 1)
+            assert all(n.report.done.round_status == "alone" for n in alive), [
+                n.report for n in alive
+            ]  # type: ignore[union-attr]
+            await trio.sleep(TIMEOUTS.dial_s + 1.0)  # the probes (one unanswered dial each)
+            for n in alive:
+                await n.syncer.peers.refresh()
+                assert n.syncer.peers.group_settings().min_quorum == 2
+            await _sync_nodes(alive, 11, 2)
+            assert all(n.report.done.applied for n in alive), [n.report for n in alive]
+            assert len({n.state() for n in alive}) == 1
             services.cancel_scope.cancel()
 
     _run(main)
