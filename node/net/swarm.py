@@ -333,6 +333,7 @@ class _Node:
         deadline = start + timeout_s
         patience = self.syncer.timeouts.matchmaking_s + self.syncer.timeouts.round_s
         self.training = False
+        self.syncer.drop_ahead("the trainer stopped")
         await self.publisher.publish_once()
         rebased = 0
         while True:
@@ -452,6 +453,7 @@ class _Node:
         """The trainer stopped: say so in the DHT (``training=False``), within
         ``timeout_s``, so that no peer counts on this node for a group or waits for it."""
         self.training = False
+        self.syncer.drop_ahead("the node leaves")
         with trio.move_on_after(timeout_s) as scope:
             await self.publisher.publish_once()
         if scope.cancelled_caught:

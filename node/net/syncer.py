@@ -644,6 +644,12 @@ class Syncer:
             if ahead.step + 2 < step:
                 self._drop_ahead(p, ahead, "the trainer went past its sync step")
 
+    def drop_ahead(self, why: str) -> None:
+        """Drop every group formed ahead (the trainer stopped: no sync will take them),
+        telling their members at once."""
+        for p, ahead in list(self._ahead.items()):
+            self._drop_ahead(p, ahead, why)
+
     def prepared(self, p: int) -> int | None:
         """The step of the sync of ``p`` whose group is being (or was) formed ahead."""
         ahead = self._ahead.get(p)

@@ -1241,10 +1241,11 @@ def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> No
     _run(main)
 
 
-def test_a_group_formed_ahead_for_a_step_the_trainer_jumped_past_is_left_at_once() -> None:
-    """One node's trainer jumps past the step its group was formed for: the node drops
-    that group when it hears of the step and tells the others, whose round then fails at
-    once instead of at the part deadline."""
+@pytest.mark.parametrize("how", ["jumped", "stopped"])
+def test_a_group_formed_ahead_that_no_sync_will_take_is_left_at_once(how: str) -> None:
+    """One node's trainer jumps past the step its group was formed for, or stops: the
+    node drops that group (when it hears of the step, or as it settles or leaves) and
+    tells the others, whose round then fails at once instead of at the part deadline."""
 
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
@@ -1253,15 +1254,20 @@ def test_a_group_formed_ahead_for_a_step_the_trainer_jumped_past_is_left_at_once
                 await n.syncer.peers.refresh()
                 assert n.syncer.prepare(0, 3)
             await trio.sleep(TRAIN_S)
-            nodes[3].syncer.passed(5)  # within the margin: kept
-            assert nodes[3].syncer.prepared(0) == 3
-            nodes[3].syncer.passed(6)
+            if how == "jumped":
+                nodes[3].syncer.passed(5)  # within the margin: kept
+                assert nodes[3].syncer.prepared(0) == 3
+                nodes[3].syncer.passed(6)
+                why = "went past its sync step"
+            else:
+                nodes[3].syncer.drop_ahead("the trainer stopped")
+                why = "the trainer stopped"
             assert nodes[3].syncer.prepared(0) is None
             started = trio.current_time()
             await _sync_all(nodes[:3], _locals(3), 3)
             others = [n.report for n in nodes[:3]]
             assert all(r.done.round_status == "failed" for r in others), others  # type: ignore[union-attr]
-            assert all("went past its sync step" in r.done.reason for r in others)  # type: ignore[union-attr]
+            assert all(why in r.done.reason for r in others)  # type: ignore[union-attr]
             assert trio.current_time() - started < TIMEOUTS.part_s / 2
             assert all(n.engine.pending(0) is None for n in nodes)
             services.cancel_scope.cancel()
