@@ -18,9 +18,11 @@ hashing). With ``--wanlab`` (root only) each process runs in a namespace of its 
 (``wanlab up``), the joiner's link limited to ``--rate`` both ways and the donors' links
 to ``--donor-rate`` (default: the same rate), every link ``--delay`` one way; the
 report gives the copy's rate as a share of the joiner's link rate. ``--die-after K``
-makes the first donor SIGKILL itself after serving K pieces (the copy must still end
-with the right state). The workers speak JSON lines with the parent; their logs go to
-files in a temporary folder, named when something fails.
+makes the first donor SIGKILL itself once it has served K pieces, at the request that
+would take it past K (so pieces asked of it are left unserved, however quickly the copy
+runs, and the copy must still end with the right state). The workers speak JSON lines
+with the parent; their logs go to files in a temporary folder, named when something
+fails.
 """
 
 from __future__ import annotations
@@ -88,11 +90,11 @@ async def _donor(args: argparse.Namespace, out: IO[str]) -> None:
 
     async def serve(sender: str, msg: object) -> None:
         if isinstance(msg, sp.StateIndexRequest | sp.StatePieceRequest):
-            await serve_pieces(host, sender, msg, source, step=1000 + args.index)
             if isinstance(msg, sp.StatePieceRequest):
+                if args.die_after and served[0] + msg.count > args.die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)  # with this request unserved
                 served[0] += msg.count
-                if args.die_after and served[0] >= args.die_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
+            await serve_pieces(host, sender, msg, source, step=1000 + args.index)
 
     async with (
         open_host(generate(), RUN_ID, _config(args.listen)) as host,
@@ -271,7 +273,9 @@ def main() -> int:
     ap.add_argument("--rate", default="100mbit", help="the joiner's link rate (wanlab)")
     ap.add_argument("--donor-rate", default="", help="each donor's link rate (wanlab)")
     ap.add_argument("--delay", default="10ms", help="one-way delay of every link (wanlab)")
-    ap.add_argument("--die-after", type=int, default=0, help="donor 1 dies after K pieces")
+    ap.add_argument(
+        "--die-after", type=int, default=0, help="donor 1 dies at the request past K pieces"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)

@@ -405,6 +405,8 @@ class _Node:
             held = [
                 (p, self.engine.version(p), self.engine.digest(p)) for p in range(len(self.shared))
             ]
+            # the trainer's status says what the copy holds (a stopped node reports it)
+            self.post()
         seals = [[base64.b64encode(s).decode() for s in self.beliefs.seals(*h)] for h in held]
         own = [self.attester.sealed_for(*h) for h in held]
         mine = ["" if s is None else base64.b64encode(s).decode() for s in own]
