@@ -147,10 +147,12 @@ def plan(
     late: int = 2,
     kills: int = 2,
     min_live: int = 3,
+    earliest_s: float = 0.0,
 ) -> Plan:
     """The seeded schedule over ``duration_s`` seconds of training: every node down
     ``down`` of it (late joiners at the start, the others in ``kills`` outages), at least
-    ``min_live`` nodes up at any time."""
+    ``min_live`` nodes up at any time, no kill before ``earliest_s`` (capped at 0.4 of the
+    duration: time for a node to write its first checkpoint)."""
     rng = random.Random(seed)
     nodes = list(range(n))
     slow = rng.choice(nodes)
@@ -163,9 +165,11 @@ def plan(
         for i in nodes:
             if i in latecomers:
                 continue
-            # kills spread over [0.05 T, 0.75 T] (a churn run can end before T: a restarted
-            # node jumps to the swarm's step), one outage per equal part, never overlapping
-            lo, hi = 0.05 * duration_s, 0.75 * duration_s
+            # kills spread over [0.05 T or earliest_s, 0.75 T] (a churn run can end before
+            # T: a restarted node jumps to the swarm's step), one outage per equal part,
+            # never overlapping
+            lo = max(0.05 * duration_s, min(earliest_s, 0.4 * duration_s))
+            hi = 0.75 * duration_s
             part = (hi - lo) / max(1, kills)
             for k in range(kills):
                 a = lo + k * part
@@ -787,7 +791,13 @@ def main(argv: list[str] | None = None) -> int:
     if ff_info["error"] is not None or duration <= 0:
         print(f"bench/churn.py: the failure-free run failed: {ff_info['error']}", file=sys.stderr)
         return 2
-    the_plan = plan(args.nodes, args.seed, duration_s=duration, **draw)
+    # no kill before 1.5 checkpoint periods where the schedule allows it: a restart
+    # should have a checkpoint to resume from
+    try:
+        earliest = 1.5 * args.checkpoint_every_s
+        the_plan = plan(args.nodes, args.seed, duration_s=duration, earliest_s=earliest, **draw)
+    except ValueError:
+        the_plan = plan(args.nodes, args.seed, duration_s=duration, **draw)
     log.info(
         "churn run over T = %.0f s: late %s, slow %d; %s",
         duration,
