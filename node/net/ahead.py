@@ -19,15 +19,12 @@ nothing is prepared and syncs form their groups themselves, as they always can.
 from __future__ import annotations
 
 import collections
-import logging
 import math
 from collections.abc import Callable
 
 from atoll.protocol.schedule import Schedule
 
 __all__ = ["AHEAD_S", "Ahead", "Pace"]
-
-logger = logging.getLogger(__name__)
 
 AHEAD_S = 3.0
 """How long before a sync its group starts forming (at most half the matchmaking

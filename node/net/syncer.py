@@ -200,7 +200,6 @@ class _Ahead:
 
     step: int
     declaration: mm.Declaration
-    started_at: float
     seen: dict[str, tuple[int, str]] = field(default_factory=dict)
     done: trio.Event = field(default_factory=trio.Event)
     found: mm.Formed | mm.Alone | None = None
@@ -631,7 +630,7 @@ class Syncer:
         me = mm.Declaration(
             self.run_id, p, version, self.transport.peer_id, version, digest, 0.0, self.wall(), step
         )
-        ahead = _Ahead(step, me, trio.current_time())
+        ahead = _Ahead(step, me)
         self._ahead[p] = ahead
         self.background.start_soon(self._run_ahead, p, ahead)
         return True
@@ -682,8 +681,9 @@ class Syncer:
         """Whether the sync's first action declares what ``ahead`` prepared."""
         if not isinstance(action, fs.FindGroup) or action.only_if_present:
             return False
-        mine, d = ahead.declaration, action.declaration
-        return ahead.step == step == d.step and mm.compat_key(mine) == mm.compat_key(d)
+        # the declaration's step is the sync's step: only the compat key can differ
+        same = mm.compat_key(ahead.declaration) == mm.compat_key(action.declaration)
+        return ahead.step == step and same
 
     async def _ahead_group(
         self, ahead: _Ahead, seen: dict[str, tuple[int, str]], t0: float
