@@ -14,7 +14,11 @@ torch thread each, short timeouts) twice with one manifest and one token budget
    the network process too: a crash, no last checkpoint) ``--kills`` times and restarted
    each time after ``down x T / kills`` seconds with the same ``--identity``, so it
    resumes from its newest checkpoint (``--checkpoint-every-s``); every node is down
-   ``down`` (20%) of ``T``, and at least ``--min-live`` nodes run at any time.
+   ``down`` (20%) of ``T``, and at least ``--min-live`` nodes run at any time. A kill
+   planned at ``t`` comes earlier when the node is already as far into its run as
+   ``t / T`` of its steps (nodes whose slow or killed peers are away train faster than
+   in the failure-free run, and would otherwise end before their kill), though never
+   before 1.5 checkpoint periods; its restart moves with it.
 
     .venv/bin/python bench/churn.py --json runs/churn.json
     .venv/bin/python bench/churn.py --quick --json runs/churn-quick.json   # 3 nodes, 2-3 minutes
@@ -136,6 +140,9 @@ class Plan:
     events: list[Event]
     duration_s: float
     down: float
+    earliest_s: float = 0.0
+    """no kill before this (the schedule's bound, capped at 0.4 of the duration)"""
+    min_live: int = 1
 
 
 def plan(
@@ -183,7 +190,8 @@ def plan(
         events.append(Event(round(start, 1), "kill", i))
         events.append(Event(round(end, 1), "restart", i))
     events.sort(key=lambda e: (e.at, e.action != "kill"))
-    return Plan(n, slow, latecomers, events, duration_s, down)
+    earliest = max(0.05 * duration_s, min(earliest_s, 0.4 * duration_s))
+    return Plan(n, slow, latecomers, events, duration_s, down, earliest, min_live)
 
 
 def _live_enough(
@@ -418,6 +426,7 @@ def run_swarm(
         while True:
             finished += swarm.reap()
             now = time.time() - t0
+            pending = _bring_forward(swarm, the_plan, pending, now)
             while pending and pending[0].at <= now:
                 ev = pending.pop(0)
                 info["events"].append(_do(swarm, ev, now, finished))
@@ -441,6 +450,62 @@ def run_swarm(
     finally:
         swarm.close()
     return swarm, info
+
+
+def _bring_forward(swarm: Swarm, the_plan: Plan, pending: list[Event], now: float) -> list[Event]:
+    """Pending events with a kill moved to ``now`` whose node is already as far into its
+    run (its newest progress line's step over its end) as the kill's share of the plan's
+    duration, once ``now`` is past the plan's earliest kill and where the outage, moved,
+    still leaves ``min_live`` nodes up throughout; the node's restart moves by as much,
+    so the outage keeps its length."""
+    if now < the_plan.earliest_s or the_plan.duration_s <= 0:
+        return pending
+    out = list(pending)
+    for k, ev in enumerate(out):
+        if ev.action != "kill" or ev.at <= now:
+            continue
+        life = swarm.nodes[ev.node].lives[-1] if swarm.nodes[ev.node].lives else None
+        if life is None or life.ended is not None or not life.progress:
+            continue
+        p = life.progress[-1][1]
+        if float(p["step"]) < ev.at / the_plan.duration_s * float(p["end"]):
+            continue
+        shift = ev.at - now
+        moved = [Event(round(now, 1), "kill", ev.node) if e is ev else e for e in out]
+        for j in range(k + 1, len(moved)):
+            if moved[j].node == ev.node and moved[j].action == "restart":
+                moved[j] = Event(round(moved[j].at - shift, 1), "restart", ev.node)
+                break
+        if not _keeps_live(swarm, moved, now, the_plan.min_live):
+            continue
+        log.info(
+            "t=%.0f s: node %d is %d/%d steps in: its kill comes %.1f s early",
+            now,
+            ev.node,
+            p["step"],
+            p["end"],
+            shift,
+        )
+        out = moved
+    out.sort(key=lambda e: (e.at, e.action != "kill"))
+    return out
+
+
+def _keeps_live(swarm: Swarm, pending: list[Event], now: float, min_live: int) -> bool:
+    """Whether ``min_live`` nodes stay up from ``now`` on under ``pending``: a node down
+    now (killed, or a late joiner not yet started) is up again at its next start or
+    restart; a pending kill takes its node down until its next restart."""
+    outages: list[tuple[float, float, int]] = []
+    for node in swarm.nodes:
+        i = node.index
+        ups = sorted(e.at for e in pending if e.node == i and e.action != "kill")
+        if not node.running:
+            outages.append((now, ups[0] if ups else float("inf"), i))
+        for e in pending:
+            if e.node == i and e.action == "kill":
+                back = [t for t in ups if t >= e.at]
+                outages.append((e.at, back[0] if back else float("inf"), i))
+    return _live_enough(outages, [], 0.0, len(swarm.nodes), min_live, float("inf"))
 
 
 def _last_sign(node: Node) -> float:
