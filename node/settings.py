@@ -247,7 +247,8 @@ class NodeConfig:
     organisation key"""
     fault: str = ""
     """fault injection for tests (kill:POINT:FRAGMENT:SLOT, usually from ATOLL_FAULT):
-    the network process kills itself at that point of that round; no command-line flag"""
+    the network process kills itself at that point of that fragment's first round at or
+    after SLOT; no command-line flag"""
     attack: str = ""
     """attack injection for benchmarks and tests (nan, huge, signflip, scaled:K, noise,
     alie, weight:K, stale, forge, equivocate; usually from ATOLL_ATTACK): this node lies
