@@ -804,18 +804,23 @@ class Syncer:
             step_period=self.engine.config.H,
             max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
         )
-        self._probe_absent(me, seen)
+        came = found.members if isinstance(found, mm.Formed) else ()
+        self._probe_absent(me, seen, came)
         return found
 
-    def _probe_absent(self, me: mm.Declaration, seen: dict[str, tuple[int, str]]) -> None:
+    def _probe_absent(
+        self, me: mm.Declaration, seen: dict[str, tuple[int, str]], came: tuple[str, ...] = ()
+    ) -> None:
         """Probe, in the background, the peers due at ``me``'s slot that never declared
-        there (see :attr:`probe`), each once at a time."""
+        there (see :attr:`probe`), each once at a time. The members of the group formed,
+        ``came``, came to the slot whether this node saw their declarations or not (a
+        leader's invitation can outrun the view): they are not probed."""
         if self.probe is None or self.background is None:
             return
         absent = [
             p
             for p in self.peers.expected(me.fragment, me.version)
-            if p not in seen and p != me.peer_id and p not in self._probing
+            if p not in seen and p not in came and p != me.peer_id and p not in self._probing
         ]
         for peer in absent:
             self._probing.add(peer)
