@@ -18,7 +18,8 @@ torch thread each, short timeouts) twice with one manifest and one token budget
    planned at ``t`` comes earlier when the node is already as far into its run as
    ``t / T`` of its steps (nodes whose slow or killed peers are away train faster than
    in the failure-free run, and would otherwise end before their kill), though never
-   before 1.5 checkpoint periods; its restart moves with it.
+   before 1.5 checkpoint periods; a kill of a node with no checkpoint yet waits for its
+   first one (on a busy machine it can come late); its restart moves with it.
 
     .venv/bin/python bench/churn.py --json runs/churn.json
     .venv/bin/python bench/churn.py --quick --json runs/churn-quick.json   # 3 nodes, 2-3 minutes
@@ -427,6 +428,7 @@ def run_swarm(
             finished += swarm.reap()
             now = time.time() - t0
             pending = _bring_forward(swarm, the_plan, pending, now)
+            pending = _wait_for_checkpoint(swarm, the_plan, pending, now)
             while pending and pending[0].at <= now:
                 ev = pending.pop(0)
                 info["events"].append(_do(swarm, ev, now, finished))
@@ -471,11 +473,7 @@ def _bring_forward(swarm: Swarm, the_plan: Plan, pending: list[Event], now: floa
         if float(p["step"]) < ev.at / the_plan.duration_s * float(p["end"]):
             continue
         shift = ev.at - now
-        moved = [Event(round(now, 1), "kill", ev.node) if e is ev else e for e in out]
-        for j in range(k + 1, len(moved)):
-            if moved[j].node == ev.node and moved[j].action == "restart":
-                moved[j] = Event(round(moved[j].at - shift, 1), "restart", ev.node)
-                break
+        moved = _moved(out, k, now)
         if not _keeps_live(swarm, moved, now, the_plan.min_live):
             continue
         log.info(
@@ -488,6 +486,43 @@ def _bring_forward(swarm: Swarm, the_plan: Plan, pending: list[Event], now: floa
         )
         out = moved
     out.sort(key=lambda e: (e.at, e.action != "kill"))
+    return out
+
+
+def _wait_for_checkpoint(
+    swarm: Swarm, the_plan: Plan, pending: list[Event], now: float
+) -> list[Event]:
+    """Pending events with every kill that is due of a node with no checkpoint yet put
+    off (with its restart) to the first of ``now`` + 0.5 s and the ends of the other
+    outages that keeps ``min_live`` nodes up: a restart resumes from a checkpoint, and on
+    a busy machine the first one can come later than the schedule's earliest kill."""
+    out = list(pending)
+    for k, ev in enumerate(out):
+        if ev.action != "kill" or ev.at > now:
+            continue
+        if swarm.newest_valid(ev.node) is not None:
+            continue
+        ends = sorted({e.at for e in out if e.node != ev.node and e.action != "kill"})
+        for t in [now + 0.5, *(t for t in ends if t > now + 0.5)]:
+            moved = _moved(out, k, t)
+            if _keeps_live(swarm, moved, now, the_plan.min_live):
+                break
+        log.info("t=%.0f s: node %d has no checkpoint yet: its kill waits", now, ev.node)
+        out = moved
+    out.sort(key=lambda e: (e.at, e.action != "kill"))
+    return out
+
+
+def _moved(events: list[Event], k: int, t: float) -> list[Event]:
+    """``events`` with kill ``k`` at ``t`` and its node's next restart moved as much."""
+    ev = events[k]
+    shift = t - ev.at
+    out = list(events)
+    out[k] = Event(round(t, 1), "kill", ev.node)
+    for j in range(k + 1, len(out)):
+        if out[j].node == ev.node and out[j].action == "restart":
+            out[j] = Event(round(out[j].at + shift, 1), "restart", ev.node)
+            break
     return out
 
 
@@ -821,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.nodes, args.late, args.kills, args.min_live = 3, 1, 1, 2
-        args.steps, args.checkpoint_every_s = 150, 5.0
+        args.steps, args.checkpoint_every_s = 150, 2.5
         args.batch_size, args.H, args.timeouts_scale = 16, 30, 0.5
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     scale = args.timeouts_scale
