@@ -28,8 +28,14 @@ def test_a_member_sending_huge_parts_is_banned_and_the_others_end_on_one_copy(
         assert node.wait(200) == 0, node.tail()
     bad_id = hostile.info()["peer_id"]
     bans = [re.findall(r"banned peer (\S+) for (\d+) s: (\w+)", n.stderr()) for n in honest]
-    # every honest node banned it (caught its parts, or checked the proof), nobody else
-    assert all(bans), [n.tail() for n in honest]
+    # every honest node banned it (caught its parts, or checked the proof in its own
+    # abort), nobody else; but a node whose round failed first on a groupmate's abort
+    # that quotes the attacker's holds hearsay (nothing it can check), and acts on none
+    honest_ids = "|".join(re.escape(n.info()["peer_id"]) for n in honest)
+    relayed = re.compile(rf"aborted by (?:{honest_ids}): aborted by {re.escape(bad_id)}: ")
+    unbanned = [n for n, found in zip(honest, bans, strict=True) if not found]
+    assert len(unbanned) <= 1, [n.tail() for n in honest]
+    assert all(relayed.search(n.stderr()) for n in unbanned), [n.tail() for n in unbanned]
     assert {peer for found in bans for peer, _, _ in found} == {bad_id}, bans
     assert sum(n.info()["bans"] for n in honest) >= 1
     # the honest nodes kept training together after the ban, and agree at the end
