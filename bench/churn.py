@@ -144,6 +144,7 @@ class Plan:
     earliest_s: float = 0.0
     """no kill before this (the schedule's bound, capped at 0.4 of the duration)"""
     min_live: int = 1
+    """the fewest nodes up at any time (a kill moved at run time keeps it too)"""
 
 
 def plan(
@@ -166,6 +167,7 @@ def plan(
     slow = rng.choice(nodes)
     latecomers = sorted(rng.sample(nodes, late))
     join_at = down * duration_s
+    earliest = max(0.05 * duration_s, min(earliest_s, 0.4 * duration_s))
     outage = down * duration_s / max(1, kills)
     events = [Event(round(join_at, 1), "start", i) for i in latecomers]
     for _ in range(2000):
@@ -176,7 +178,7 @@ def plan(
             # kills spread over [0.05 T or earliest_s, 0.75 T] (a churn run can end before
             # T: a restarted node jumps to the swarm's step), one outage per equal part,
             # never overlapping
-            lo = max(0.05 * duration_s, min(earliest_s, 0.4 * duration_s))
+            lo = earliest
             hi = 0.75 * duration_s
             part = (hi - lo) / max(1, kills)
             for k in range(kills):
@@ -191,7 +193,6 @@ def plan(
         events.append(Event(round(start, 1), "kill", i))
         events.append(Event(round(end, 1), "restart", i))
     events.sort(key=lambda e: (e.at, e.action != "kill"))
-    earliest = max(0.05 * duration_s, min(earliest_s, 0.4 * duration_s))
     return Plan(n, slow, latecomers, events, duration_s, down, earliest, min_live)
 
 
