@@ -299,10 +299,9 @@ class _Node:
             logger.info("no peer records yet: starting from the manifest's seed")
             return 0
         start = 0
-        for p in range(len(self.shared)):
-            done = await self.syncer.catch_up(p)
-            if done.rebased and done.state_step is not None:
-                self.tally.caught_up()
+        for done in await self.syncer.catch_up_all():
+            self.tally.caught_up()
+            if done.state_step is not None:
                 start = max(start, done.state_step)
         return start
 

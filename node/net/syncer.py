@@ -552,6 +552,48 @@ class Syncer:
             await self._abort(machine, e)
             raise
 
+    async def catch_up_all(self, patience_s: float | None = None) -> list[fs.SyncDone]:
+        """:meth:`catch_up` every fragment (the peers' records read first); the syncs that
+        rebased, in order.
+
+        A swarm may move a fragment on just before this node looks: its records then
+        declare a version whose members have not published their attestations yet, and
+        the version before it is no longer declared by anyone. While a responsive peer
+        declares a newer version of a fragment than this node holds, it looks again
+        once a second, for at most ``patience_s`` (by default two lookup retry periods
+        and an answer bound: a failed lookup is repeated only after the retry period).
+        A claim that never gets its certificate costs this wait once, not the run.
+        """
+        if patience_s is None:
+            beliefs = self.peers.beliefs
+            retry = beliefs.retry_s if beliefs is not None else 1.0
+            patience_s = 2 * retry + answer_bound(self.timeouts)
+        deadline = trio.current_time() + patience_s
+        rebased: list[fs.SyncDone] = []
+        todo = list(range(self.engine.num_fragments))
+        while True:
+            for p in todo:
+                done = await self.catch_up(p)
+                if done.rebased:
+                    rebased.append(done)
+            todo = [p for p in todo if await self._declared_ahead(p)]
+            if not todo or trio.current_time() >= deadline:
+                if todo:
+                    logger.info(
+                        "fragments %s: peers declare newer versions not certified within %.0f s;"
+                        " the syncs catch up later",
+                        todo,
+                        patience_s,
+                    )
+                return rebased
+            await trio.sleep(min(1.0, max(0.0, deadline - trio.current_time())))
+            await self.peers.refresh()
+
+    async def _declared_ahead(self, p: int) -> bool:
+        """Whether a responsive peer declares a newer version of ``p`` than this node's."""
+        version, _ = await self.engine_call(self._mine, p)
+        return any(v > version for _, v, _ in self.peers.declared(p))
+
     async def _abort(self, machine: fs.FragmentSync, error: BaseException) -> None:
         """Roll ``machine`` back after its driver failed or was cancelled: shielded, so a
         cancelled driver still waits its turn at the engine (a quick skip)."""

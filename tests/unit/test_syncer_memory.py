@@ -861,6 +861,59 @@ def test_a_joiner_rebases_onto_a_certified_state_only() -> None:
     _run(main)
 
 
+def test_a_joiner_waits_a_bounded_while_for_the_certificate_of_a_newer_declared_state() -> None:
+    """The swarm moved a fragment on just before a node starts: its records declare a
+    version whose attestations are not published yet. The catch-up looks again until it
+    finds them (and rebases); a claim that never gets one costs a bounded wait."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 3)
+            await _sync_all(nodes, _locals(3), 3)
+            ahead = nodes[0].state()
+            await trio.sleep(1.0)  # the members' attestations are published
+            saved = dict(net.board._attests)
+            kept = {n.peer: dict(n.attester._latest) for n in nodes if n.attester is not None}
+
+            def hide() -> None:
+                net.board._attests.clear()
+                for n in nodes:
+                    assert n.attester is not None
+                    n.attester._latest.clear()
+
+            def publish() -> None:
+                net.board._attests.update(saved)
+                for n in nodes:
+                    assert n.attester is not None
+                    n.attester._latest.update(kept[n.peer])
+
+            hide()
+            # a claim that is never certified: the catch-up gives up after its patience
+            other = await _node(net, directory, "peer-other", services, initial=np.zeros(N))
+            await other.syncer.peers.refresh()
+            t0 = trio.current_time()
+            assert await other.syncer.catch_up_all(patience_s=4.0) == []
+            assert 4.0 <= trio.current_time() - t0 <= 4.0 + 2 * answer_bound(TIMEOUTS)
+            assert other.state()[0] == 0
+
+            # certified a while after the first look: found at a retry, then copied
+            late = await _node(net, directory, "peer-late", services, initial=np.zeros(N))
+            await late.syncer.peers.refresh()
+
+            async def publish_later() -> None:
+                await trio.sleep(6.0)  # past the first lookup's retry time
+                publish()
+
+            services.start_soon(publish_later)
+            t0 = trio.current_time()
+            done = await late.syncer.catch_up_all()
+            assert [d.rebased for d in done] == [True] and late.state() == ahead
+            assert trio.current_time() - t0 < 6.0 + 2 * 5.0  # found at a retry, not at the end
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 def test_a_joiner_asks_the_holders_for_the_certificate_the_board_lost() -> None:
     """With no attestation left on the board, a late node asks the peers that declare the
     swarm's state for theirs, believes it within one answer bound and rebases."""
