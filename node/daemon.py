@@ -253,6 +253,7 @@ def run_node(
                 "seed": manifest.seed,
                 "wait_peers": cfg.wait_peers,
                 "ahead_s": cfg.ahead_s,
+                "fixed_deadlines": cfg.fixed_deadlines,
                 "tokens_per_step": batcher.tokens_per_batch,
                 "fault": cfg.fault,
                 "attack": cfg.attack,

@@ -246,9 +246,9 @@ class NodeConfig:
     """this node's member certificate (atoll org issue), for a run whose manifest names an
     organisation key"""
     fault: str = ""
-    """fault injection for tests (kill:POINT:FRAGMENT:SLOT, usually from ATOLL_FAULT):
-    the network process kills itself at that point of that fragment's first round at or
-    after SLOT; no command-line flag"""
+    """fault injection for tests (kill:POINT:FRAGMENT:SLOT or stop:..., usually from
+    ATOLL_FAULT): the network process kills itself (or freezes with SIGSTOP) at that point
+    of that fragment's first round at or after SLOT; no command-line flag"""
     attack: str = ""
     """attack injection for benchmarks and tests (nan, huge, signflip, scaled:K, noise,
     alie, weight:K, stale, forge, equivocate; usually from ATOLL_ATTACK): this node lies
@@ -272,6 +272,10 @@ class NodeConfig:
     """form each fragment's group this many seconds before the trainer reaches its sync
     (at most half the manifest's matchmaking timeout), so that a sync costs the exchange
     alone; 0: each sync forms its group when it starts"""
+    fixed_deadlines: bool = False
+    """use the manifest's part_s and round_s as every round's deadlines instead of
+    deadlines measured from the fragment's past rounds (atoll.protocol.deadlines), which
+    stay within them"""
 
     def __post_init__(self) -> None:
         if not self.run.strip():

@@ -335,6 +335,9 @@ class AllReduceRound:
         self._mine = self._index[me]
         self._phase_deadline = now + phase_timeout
         self._round_deadline = now + round_timeout
+        self._t0 = now
+        self._parts_in_s: float | None = None
+        self._done_s: float | None = None
         self._state: State = "running"
         self._started = False
         self._bytes_sent = 0
@@ -470,6 +473,13 @@ class AllReduceRound:
             out.extend(self._maybe_verify())
         return out
 
+    @property
+    def timings(self) -> tuple[float | None, float | None]:
+        """Seconds from the start until every part of this member's chunk was in, and
+        until the round was done (None: not reached): what
+        :class:`~atoll.protocol.deadlines.RoundDeadlines` learns from."""
+        return self._parts_in_s, self._done_s
+
     def receive(self, msg: Message, *, now: float) -> list[Action]:
         """Handle a message from a peer; returns what to do.
 
@@ -478,6 +488,14 @@ class AllReduceRound:
         """
         if self._state != "running" or not self._relevant(msg):
             return []
+        actions = self._receive(msg, now)
+        if self._parts_in_s is None and self._parts_in():
+            self._parts_in_s = now - self._t0
+        if self._done_s is None and any(isinstance(a, Done) for a in actions):
+            self._done_s = now - self._t0
+        return actions
+
+    def _receive(self, msg: Message, now: float) -> list[Action]:
         # A message handled after a deadline passed times the round out first, so that the
         # outcome does not depend on whether the driver called tick() or receive() first.
         timed_out = self.tick(now)

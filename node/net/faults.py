@@ -1,4 +1,5 @@
-"""Fault injection for tests: kill the network process at an exact point of a round.
+"""Fault injection for tests: kill or freeze the network process at an exact point of a
+round.
 
 A spec ``kill:POINT:FRAGMENT:SLOT`` (``atoll node``'s ``fault`` setting, e.g. from the
 ``ATOLL_FAULT`` variable) makes the node's network process kill itself with SIGKILL when
@@ -7,7 +8,10 @@ the all-reduce of that fragment's first round at or after ``SLOT`` reaches ``POI
 ``parts_sent`` (every part written). A node runs no all-reduce at a slot it spends alone
 or rebasing, so the first round it runs is the one that counts; the warning it logs
 names the slot. The integration tests use it to check that the survivors of a round
-fail it whole.
+fail it whole. ``stop:POINT:FRAGMENT:SLOT`` freezes the process with SIGSTOP instead: its
+connections stay open and its kernel still acknowledges what arrives, but nothing
+answers, as with a peer whose link went silent (the test or benchmark that set it kills
+the frozen process when it is done with it).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = ["POINTS", "parse_fault"]
 logger = logging.getLogger(__name__)
 
 POINTS = ("start", "part_sent", "parts_sent")
+ACTIONS = {"kill": ("killing", signal.SIGKILL), "stop": ("freezing (SIGSTOP)", signal.SIGSTOP)}
 
 
 def parse_fault(spec: str) -> Callable[[int, int], Callable[[str], None] | None] | None:
@@ -35,27 +40,37 @@ def parse_fault(spec: str) -> Callable[[int, int], Callable[[str], None] | None]
     if not spec:
         return None
     parts = spec.split(":")
-    if len(parts) != 4 or parts[0] != "kill" or parts[1] not in POINTS:
-        raise ConfigError(f"fault must be kill:POINT:FRAGMENT:SLOT with POINT in {POINTS}")
+    if len(parts) != 4 or parts[0] not in ACTIONS or parts[1] not in POINTS:
+        raise ConfigError(
+            f"fault must be ACTION:POINT:FRAGMENT:SLOT with ACTION in {tuple(ACTIONS)} and "
+            f"POINT in {POINTS}"
+        )
     try:
         fragment, slot = int(parts[2]), int(parts[3])
     except ValueError:
         raise ConfigError(f"fault {spec!r}: FRAGMENT and SLOT must be integers") from None
     point = parts[1]
+    doing, sig = ACTIONS[parts[0]]
+
+    fired: list[int] = []  # a process continued after a stop is not stopped again
 
     def for_round(p: int, s: int) -> Callable[[str], None] | None:
-        if p != fragment or s < slot:
+        if p != fragment or s < slot or fired:
             return None
 
         def hook(at: str) -> None:
-            if at == point:
+            if at == point and not fired:
+                fired.append(s)
                 logger.warning(
-                    "fault injection: fragment %d slot %d: killing the network process at %s",
+                    "fault injection: fragment %d slot %d: %s the network process at %s",
                     p,
                     s,
+                    doing,
                     at,
                 )
-                os.kill(os.getpid(), signal.SIGKILL)
+                for handler in logging.getLogger().handlers:
+                    handler.flush()  # the line is out before the process stops
+                os.kill(os.getpid(), sig)
 
         return hook
 

@@ -327,6 +327,10 @@ class RoundTraffic:
     bytes_sent: int = 0
     bytes_received: int = 0
     members: tuple[str, ...] = ()
+    parts_in_s: float | None = None
+    """seconds from the start until every part of this member's chunk was in (None: never)"""
+    done_s: float | None = None
+    """seconds from the start until the round was done (None: it failed)"""
 
 
 class _Runner:
@@ -721,6 +725,7 @@ async def run_allreduce(
             traffic.bytes_sent = machine.bytes_sent
             traffic.bytes_received = machine.bytes_received
             traffic.members = spec.members
+            traffic.parts_in_s, traffic.done_s = machine.timings
     return outcome
 
 

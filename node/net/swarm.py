@@ -92,6 +92,7 @@ from atoll.node.settings import load_membership
 from atoll.node.snapshot import EnginePart, write_engine_file
 from atoll.protocol.certificate import CertifiedStates, open_attestation
 from atoll.protocol.codecs import make_codec
+from atoll.protocol.deadlines import MEASURED, DeadlineRule
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.liveness import Liveness
@@ -133,6 +134,7 @@ class _Node:
         attack: Attack | None = None,
         ahead_s: float = AHEAD_S,
         weight_cap: float = math.inf,
+        deadline_rule: DeadlineRule | None = MEASURED,
     ) -> None:
         self.attack = attack
         """this node's attack (benchmarks and tests; None: an honest node)"""
@@ -216,6 +218,7 @@ class _Node:
             # a node ahead of its peers waits for them at the slot (NetworkBridge.wait)
             on_hold=functools.partial(post_hold, outbox),
             weight_cap=weight_cap,
+            deadline_rule=deadline_rule,
             # no fresh connection (Node.probe's): an absent peer may still be in a round
             # with this node on another fragment
             probe=dht.probe,
@@ -539,6 +542,7 @@ async def swarm_worker(
     resume: EnginePart | None = None,
     ahead_s: float = AHEAD_S,
     tokens_per_step: int = 0,
+    fixed_deadlines: bool = False,
 ) -> None:
     """The network process of a swarm node (see the module docstring).
 
@@ -553,7 +557,9 @@ async def swarm_worker(
     fragment's sync its group starts forming (:mod:`atoll.node.net.ahead`; at most half
     the matchmaking timeout; 0: never ahead). ``tokens_per_step``: the tokens of one
     inner step of the run's batch, which bounds every contribution's token weight
-    (:func:`~atoll.protocol.sync.weight_cap`; 0: unbounded).
+    (:func:`~atoll.protocol.sync.weight_cap`; 0: unbounded). ``fixed_deadlines``: every
+    round waits the manifest's ``part_s`` and ``round_s`` instead of deadlines measured
+    from the fragment's past rounds (:mod:`atoll.protocol.deadlines`).
     """
     if manifest.aggregation != "mean":
         raise ConfigError(
@@ -620,6 +626,7 @@ async def swarm_worker(
             attack=hostile,
             ahead_s=ahead_s,
             weight_cap=weight_cap(config.H, tokens_per_step),
+            deadline_rule=None if fixed_deadlines else MEASURED,
         )
         if seals or own_seals:
             certified = node.restore_seals(seals, own_seals)

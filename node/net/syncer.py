@@ -113,6 +113,7 @@ from atoll.protocol.certificate import (
     AttestationSigner,
     AttestationVerifier,
 )
+from atoll.protocol.deadlines import DeadlineRule, RoundDeadlines
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
 from atoll.protocol.manifest import RobustSettings, Timeouts
@@ -240,7 +241,12 @@ class Syncer:
         on_hold: Callable[[int, float], None] | None = None,
         weight_cap: float = math.inf,
         probe: Callable[[str], Awaitable[bool]] | None = None,
+        deadline_rule: DeadlineRule | None = None,
     ) -> None:
+        self.deadline_rule = deadline_rule
+        """how a round's phase and round deadlines follow the fragment's past rounds
+        (None: the manifest's fixed ``part_s`` and ``round_s``)"""
+        self._deadlines: dict[int, RoundDeadlines] = {}
         self.probe = probe
         """asks a peer whether it answers (the liveness hears of the outcome): a peer due
         at a slot that never declared there is probed once the matchmaking ends, so that a
@@ -631,14 +637,15 @@ class Syncer:
                 self._log_slot(action, machine, seen)
             elif isinstance(action, fs.RunRound):
                 traffic = RoundTraffic()
+                phase_s, round_s = self.round_deadlines(machine.fragment)
                 result = await run_allreduce(
                     self.transport,
                     self.mailbox,
                     action.spec,
                     action.payload,
                     action.weight,
-                    phase_timeout_s=self.timeouts.part_s,
-                    round_timeout_s=self.timeouts.round_s,
+                    phase_timeout_s=phase_s,
+                    round_timeout_s=round_s,
                     traffic=traffic,
                     checkpoint=self._checkpoint(action.spec.key.fragment, action.spec.key.round),
                     background=self.background,
@@ -649,6 +656,7 @@ class Syncer:
                 )
                 if report is not None:
                     report.traffic = traffic
+                self._measured(machine.fragment, result, traffic, phase_s, round_s)
                 if isinstance(result, ar.Failed) and self.strikes is not None:
                     self._strike(action.spec.key, result)
                 holdings = await self._holdings(machine.fragment, seen)
@@ -656,6 +664,46 @@ class Syncer:
                 self._log_slot(action, machine, seen)
             else:
                 action = await self._fetch(machine, action)
+
+    # -- deadlines -------------------------------------------------------------------------
+    def round_deadlines(self, p: int) -> tuple[float, float]:
+        """The phase and round deadlines of fragment ``p``'s next all-reduce: measured
+        from its past rounds (:mod:`atoll.protocol.deadlines`) when :attr:`deadline_rule`
+        is set, else the manifest's ``part_s`` and ``round_s``."""
+        if self.deadline_rule is None:
+            return self.timeouts.part_s, self.timeouts.round_s
+        tracker = self._deadlines.get(p)
+        if tracker is None:
+            tracker = RoundDeadlines(
+                self.timeouts.part_s, self.timeouts.round_s, self.deadline_rule
+            )
+            self._deadlines[p] = tracker
+        return tracker.current()
+
+    def _measured(
+        self,
+        p: int,
+        result: ar.Done | ar.Failed,
+        traffic: RoundTraffic,
+        phase_s: float,
+        round_s: float,
+    ) -> None:
+        """Teach fragment ``p``'s deadlines what its round took, or that it ran out."""
+        tracker = self._deadlines.get(p)
+        if tracker is None:
+            return
+        if isinstance(result, ar.Done):
+            tracker.done(traffic.parts_in_s, traffic.done_s)
+        elif result.missing:  # a deadline ran out (a silent member, or a slow link)
+            tracker.timed_out(phase_s, round_s, parts_in=traffic.parts_in_s is not None)
+            if min(phase_s, round_s) < min(self.timeouts.part_s, self.timeouts.round_s):
+                logger.info(
+                    "fragment %d: the round ran out at its measured deadline (%.1f s phase,"
+                    " %.1f s round); the next deadlines are wider until a round ends well",
+                    p,
+                    phase_s,
+                    round_s,
+                )
 
     # -- groups formed ahead of a sync ---------------------------------------------------------
     def prepare(self, p: int, step: int) -> bool:

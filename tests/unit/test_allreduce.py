@@ -328,6 +328,20 @@ def test_peer_dies_after_every_number_of_messages(codec: str, victim: int) -> No
             assert f.culprit is None
 
 
+def test_a_round_reports_when_its_parts_were_in_and_when_it_was_done() -> None:
+    spec, payloads, weights = make_inputs(4, 800, "e3m0")
+    net = run_net(Net(spec, payloads, weights))
+    for m in spec.members:
+        parts_in, done = net.machines[m].timings
+        assert parts_in is not None and done is not None
+        assert 0 < parts_in <= done == pytest.approx(net.ended_at[m])
+    failed = Net(spec, payloads, weights)
+    failed.make_silent("peer1")
+    run_net(failed)
+    for m in failed.live():
+        assert failed.machines[m].timings[1] is None  # never done: nothing to learn from
+
+
 @pytest.mark.parametrize("sent", [0, 1, 3, 4])
 def test_silent_peer_times_out(sent: int) -> None:
     spec, payloads, weights = make_inputs(4, 800, "e3m0")

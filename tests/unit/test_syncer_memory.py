@@ -44,6 +44,7 @@ from atoll.protocol.certificate import (
     open_attestation,
     seal_attestation,
 )
+from atoll.protocol.deadlines import MEASURED
 from atoll.protocol.engine import EngineConfig, OuterEngine
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings, RobustSettings, Timeouts
@@ -655,6 +656,55 @@ def test_a_member_silent_after_forming_costs_one_round_then_the_rest_go_on() -> 
             assert len(states) == 1 and states != {start}, [n.report.done for n in rest]  # type: ignore[union-attr]
             assert all(len(n.report.done.members) == 3 for n in rest)  # type: ignore[union-attr]
             assert max(n.report.seconds for n in rest) < TIMEOUTS.matchmaking_s  # type: ignore[union-attr]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_member_silent_mid_round_costs_the_measured_deadline_not_the_manifests(
+    measured: bool,
+) -> None:
+    """After a few healthy rounds (0.05 s links) the deadlines follow them: a member that
+    goes silent once the round's parts fly costs its group the measured deadline (the
+    rule's 2 s floor here), not the manifest's part_s or round_s; with fixed deadlines it
+    costs those. Either way the round fails whole and the next one leaves it out."""
+
+    async def main() -> None:
+        async with (
+            MemoryNetwork.open(run_id=RUN, delay_s=0.05) as net,
+            trio.open_nursery() as services,
+        ):
+            _, nodes = await _swarm(net, services, 4)
+            for n in nodes:
+                n.syncer.deadline_rule = MEASURED if measured else None
+            for k in range(MEASURED.min_samples + 1):
+                before = nodes[0].state()
+                await _sync_nodes(nodes, 3 + 4 * k, k)
+                assert all(n.report.done.applied for n in nodes), k  # type: ignore[union-attr]
+                assert len({n.state() for n in nodes}) == 1 and nodes[0].state() != before
+            phase_s, round_s = nodes[0].syncer.round_deadlines(0)
+            if measured:
+                assert (phase_s, round_s) == (MEASURED.floor_s, MEASURED.floor_s)
+            else:
+                assert (phase_s, round_s) == (TIMEOUTS.part_s, TIMEOUTS.round_s)
+            victim = next(n for n in nodes if n is not _leader_of(nodes, 0))
+            start = nodes[0].state()
+            step = 3 + 4 * (MEASURED.min_samples + 1)
+            rest = await _sync_silenced(net, nodes, victim, ar.Part, step)
+            assert all(n.state() == start for n in rest)
+            assert all(n.report.done.round_status == "failed" for n in rest)  # type: ignore[union-attr]
+            took = [n.report.traffic.seconds for n in rest]  # type: ignore[union-attr]
+            if measured:
+                assert max(took) <= round_s + 0.5, took
+            else:
+                assert min(took) >= TIMEOUTS.part_s, took
+            if measured:  # ran out at a measured deadline: the next ones are wider
+                wider = [n.syncer.round_deadlines(0) for n in rest]
+                assert all(w[1] > round_s or w[0] > phase_s for w in wider), wider
+            await _sync_nodes(rest, step + 4, 99)
+            assert len({n.state() for n in rest}) == 1 and rest[0].state() != start
+            assert all(len(n.report.done.members) == 3 for n in rest)  # type: ignore[union-attr]
             services.cancel_scope.cancel()
 
     _run(main)
