@@ -49,7 +49,7 @@ class DeadlineRule:
     """deviations (scaled MAD) above the median"""
     ratio: float = 3.0
     """the deadline is at least this multiple of the median"""
-    floor_s: float = 2.0
+    floor_s: float = 3.0
     """never below this many seconds (a tiny median must not make a hair trigger)"""
     min_samples: int = 5
     """waits measured before the deadline leaves the ceiling"""

@@ -8,12 +8,15 @@ global copy it held).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,6 +86,73 @@ def test_a_peer_killed_mid_round_leaves_the_others_committed_identical_or_unchan
         assert node.summary["rounds_applied"] >= 2  # and the swarm trained on
     assert {"applied", "failed"} & set(statuses)  # the victim died in a round with a survivor
     swarm.agreeing_rounds(survivors)  # committed rounds hold identical bytes
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first found, then theirs)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                out += kids
+                todo += kids
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_a_peer_frozen_mid_round_costs_the_others_the_measured_deadline(local_swarm: Any) -> None:
+    """The victim's network process freezes (SIGSTOP: its connections stay open and
+    nothing answers, as over a link that went silent) once its parts of fragment 0's
+    round at slot 6 or later are out, after the deadlines had earlier rounds to learn
+    from. The survivors, holding every part but never the victim's reduced chunk, fail
+    that round whole at the measured deadline, well before the manifest's round_s (40 s
+    here: what fixed deadlines would wait), and train on without it."""
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    round_s = 40.0
+    run = swarm.write_manifest("run", swarm.manifest(timeouts={"part_s": 20.0, "round_s": round_s}))
+    survivors = [swarm.start_node(f"n{i}", run, steps=110, wait_peers=2) for i in range(2)]
+    victim = swarm.start_node(
+        "victim", run, steps=100_000, wait_peers=2, env={"ATOLL_FAULT": "stop:parts_sent:0:6"}
+    )
+    try:
+
+        def frozen() -> re.Match[str] | None:
+            assert victim.proc.poll() is None, victim.tail()
+            return re.search(r"fault injection: fragment 0 slot (\d+): freezing", victim.stderr())
+
+        slot = int(swarm.wait_until(frozen, 360, victim.tail).group(1))
+        # the survivors get past that slot; then the frozen peer goes for good
+        swarm.wait_until(
+            lambda: all(
+                n.proc.poll() is not None or n.progress.get("step", 0) >= 10 * (slot + 2)
+                for n in survivors
+            ),
+            240,
+            lambda: "\n".join(n.tail() for n in survivors),
+        )
+    finally:
+        for pid in _descendants(victim.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        victim.proc.kill()
+        victim.proc.wait(30)
+    for node in survivors:
+        assert node.wait(240) == 0, node.tail()
+    failed = []
+    for node in survivors:
+        for p, v, status, secs, _ in node.info()["outcomes"]:
+            if (p, v) == (0, slot) and status == "failed":
+                failed.append(secs)
+        assert node.summary["rounds_applied"] >= 4, node.tail()
+    assert failed, [n.tail() for n in survivors]  # a survivor was in the victim's round
+    # the sync's seconds: the round's measured deadline (3 s at least) plus matchmaking
+    assert max(failed) < round_s / 2, failed
+    assert any("ran out at its measured deadline" in n.stderr() for n in survivors)
+    swarm.agreeing_rounds(survivors)
 
 
 def test_a_late_peer_finds_the_swarm_through_the_dht_and_catches_up(local_swarm: Any) -> None:

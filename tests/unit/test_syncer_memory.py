@@ -667,7 +667,7 @@ def test_a_member_silent_mid_round_costs_the_measured_deadline_not_the_manifests
 ) -> None:
     """After a few healthy rounds (0.05 s links) the deadlines follow them: a member that
     goes silent once the round's parts fly costs its group the measured deadline (the
-    rule's 2 s floor here), not the manifest's part_s or round_s; with fixed deadlines it
+    rule's 3 s floor here), not the manifest's part_s or round_s; with fixed deadlines it
     costs those. Either way the round fails whole and the next one leaves it out."""
 
     async def main() -> None:
