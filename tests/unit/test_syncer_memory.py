@@ -876,6 +876,26 @@ def test_a_liar_claiming_a_huge_version_is_never_fetched_from_and_rounds_go_on()
     _run(main)
 
 
+def _hide_attestations(net: MemoryNetwork, nodes: list[Node]) -> Callable[[], None]:
+    """Take every attestation off the board and from its holders (no certificate can be
+    found or asked for); returns what publishes them all again."""
+    saved = dict(net.board._attests)
+    assert saved
+    kept = {n.peer: dict(n.attester._latest) for n in nodes if n.attester is not None}
+    net.board._attests.clear()
+    for n in nodes:
+        assert n.attester is not None
+        n.attester._latest.clear()
+
+    def publish() -> None:
+        net.board._attests.update(saved)
+        for n in nodes:
+            assert n.attester is not None
+            n.attester._latest.update(kept[n.peer])
+
+    return publish
+
+
 def test_a_joiner_rebases_onto_a_certified_state_only() -> None:
     """A late node copies the swarm's state once its certificate is found; with the
     attestations gone from the board and from the holders, it stays on the seed and
@@ -888,21 +908,12 @@ def test_a_joiner_rebases_onto_a_certified_state_only() -> None:
             ahead = nodes[0].state()
             assert ahead[0] == 1
             await trio.sleep(1.0)  # the members' attestations are published
-            saved = dict(net.board._attests)
-            assert saved
-            net.board._attests.clear()  # the certificate cannot be found
-            kept = {n.peer: dict(n.attester._latest) for n in nodes if n.attester is not None}
-            for n in nodes:
-                assert n.attester is not None
-                n.attester._latest.clear()  # nor asked of its holders
+            publish = _hide_attestations(net, nodes)  # not found, nor asked of holders
             late = await _node(net, directory, "peer-late", services, initial=np.zeros(N))
             await late.syncer.peers.refresh()
             done = await late.syncer.catch_up(0)
             assert not done.rebased and late.state()[0] == 0
-            net.board._attests.update(saved)
-            for n in nodes:
-                assert n.attester is not None
-                n.attester._latest.update(kept[n.peer])
+            publish()
             await trio.sleep(10.0)  # past the retry time of the failed lookup
             done = await late.syncer.catch_up(0)
             assert done.rebased and late.state() == ahead
@@ -922,22 +933,7 @@ def test_a_joiner_waits_a_bounded_while_for_the_certificate_of_a_newer_declared_
             await _sync_all(nodes, _locals(3), 3)
             ahead = nodes[0].state()
             await trio.sleep(1.0)  # the members' attestations are published
-            saved = dict(net.board._attests)
-            kept = {n.peer: dict(n.attester._latest) for n in nodes if n.attester is not None}
-
-            def hide() -> None:
-                net.board._attests.clear()
-                for n in nodes:
-                    assert n.attester is not None
-                    n.attester._latest.clear()
-
-            def publish() -> None:
-                net.board._attests.update(saved)
-                for n in nodes:
-                    assert n.attester is not None
-                    n.attester._latest.update(kept[n.peer])
-
-            hide()
+            publish = _hide_attestations(net, nodes)
             # a claim that is never certified: the catch-up gives up after its patience
             other = await _node(net, directory, "peer-other", services, initial=np.zeros(N))
             await other.syncer.peers.refresh()
