@@ -20,7 +20,9 @@ to ``--donor-rate`` (default: the same rate), every link ``--delay`` one way; th
 report gives the copy's rate as a share of the joiner's link rate. ``--die-after K``
 makes the first donor SIGKILL itself once it has served K pieces, at the request that
 would take it past K (so pieces asked of it are left unserved, however quickly the copy
-runs, and the copy must still end with the right state). The workers speak JSON lines
+runs, and the copy must still end with the right state). ``--serve-mbps R`` makes each
+donor wait, before each run of pieces, as long as a link of R MB/s would take to carry
+it: a crude link rate without namespaces. The workers speak JSON lines
 with the parent; their logs go to files in a temporary folder, named when something
 fails.
 """
@@ -82,6 +84,7 @@ async def _donor(args: argparse.Namespace, out: IO[str]) -> None:
     from atoll.node.net.host import open_host
     from atoll.node.net.rounds import Mailbox, serve_pieces
     from atoll.protocol import statepieces as sp
+    from atoll.protocol import statesync as ss
     from atoll.security.identity import generate
 
     keep_freed_memory()
@@ -94,6 +97,8 @@ async def _donor(args: argparse.Namespace, out: IO[str]) -> None:
                 if args.die_after and served[0] + msg.count > args.die_after:
                     os.kill(os.getpid(), signal.SIGKILL)  # with this request unserved
                 served[0] += msg.count
+                if args.serve_mbps > 0:  # a donor's link of that rate, roughly
+                    await trio.sleep(msg.count * ss.PIECE_BYTES / (args.serve_mbps * 1e6))
             await serve_pieces(host, sender, msg, source, step=1000 + args.index)
 
     async with (
@@ -194,6 +199,8 @@ class _Lab:
             str(i),
             "--mb",
             str(self.args.mb),
+            "--serve-mbps",
+            str(self.args.serve_mbps),
             "--listen",
             f"/ip4/{self.host_of(i)}/tcp/0",
             *extra,
@@ -269,6 +276,12 @@ def main() -> int:
     ap.add_argument("--donors", default="1,3", help="donor counts to measure")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="write the report here")
+    ap.add_argument(
+        "--serve-mbps",
+        type=float,
+        default=0.0,
+        help="each donor waits as a link of this many MB/s would before each run of pieces",
+    )
     ap.add_argument("--wanlab", help="path of the wanlab tool (root only)")
     ap.add_argument("--rate", default="100mbit", help="the joiner's link rate (wanlab)")
     ap.add_argument("--donor-rate", default="", help="each donor's link rate (wanlab)")

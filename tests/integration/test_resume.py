@@ -216,9 +216,18 @@ def test_a_node_resumed_at_a_wrong_step_is_caught_before_it_contributes(
     wrong = 1 if stopped_at > 60 else stopped_at + 120
     store.save(newest.tensors, {**newest.meta, "step": wrong})
 
-    b2 = local_swarm.start_node("b", run, steps=40, wait_peers=1, extra=FAST)
-    assert b2.wait(600) == 0, b2.tail()
-    a.proc.send_signal(signal.SIGINT)
+    # b trains until stopped: once the two are in step, realigning and the next syncs'
+    # matchmaking can take more than a fixed number of steps on a busy machine
+    b2 = local_swarm.start_node("b", run, steps=0, wait_peers=1, extra=FAST)
+
+    def b_applied_after_the_catch() -> bool:
+        assert b2.proc.poll() is None and a.proc.poll() is None, b2.tail(60)
+        return "out of step" in b2.stderr() + a.stderr() and ": applied;" in b2.stderr()
+
+    wait_until(b_applied_after_the_catch, 480, lambda: b2.tail(60))
+    for node in (b2, a):
+        node.proc.send_signal(signal.SIGINT)
+    assert b2.wait(60) == 0, b2.tail()
     assert a.wait(60) == 0, a.tail()
     assert b2.summary is not None and a.summary is not None, b2.tail()
     assert b2.summary["checkpoint"]["resumed_step"] == wrong
