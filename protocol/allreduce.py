@@ -104,6 +104,7 @@ from atoll.protocol.partseal import Proof, judge, seal_part, seal_problem
 from atoll.protocol.reduce import Contribution, reduce_encoded
 from atoll.protocol.roundmsgs import (
     DIGEST_BYTES,
+    GROUP_MAX,
     MAX_GROUP,
     Abort,
     Evidence,
@@ -117,6 +118,7 @@ from atoll.protocol.roundmsgs import (
 
 __all__ = [
     "DIGEST_BYTES",
+    "GROUP_MAX",
     "MAX_GROUP",
     "Abort",
     "Action",
@@ -465,6 +467,7 @@ class AllReduceRound:
                 piece,
                 self._my_digests,
                 self._seal(j, piece),
+                group=key.group,
             )
             out.extend(self._send(peer, part) for peer in to)
         # Our own chunk may already be complete if every other part arrived before start.
@@ -579,7 +582,8 @@ class AllReduceRound:
         )
         return (
             isinstance(msg, kinds)
-            and (msg.run_id, msg.fragment, msg.round) == (key.run_id, key.fragment, key.round)
+            and (msg.run_id, msg.fragment, msg.round, msg.group)
+            == (key.run_id, key.fragment, key.round, key.group)
             and msg.sender in self._index
             and msg.sender != self.me
         )
@@ -836,7 +840,15 @@ class AllReduceRound:
         slot.done = self._reduced_mine = True
         key = self.spec.key
         red = Reduced(
-            key.run_id, key.fragment, key.round, self.me, self._mine, total, payload, digests
+            key.run_id,
+            key.fragment,
+            key.round,
+            self.me,
+            self._mine,
+            total,
+            payload,
+            digests,
+            group=key.group,
         )
         out: list[Action] = [self._send(m, red) for m in self.spec.members if m != self.me]
         out.extend(self._accept_chunk(self._mine, payload, values, total, digests))
@@ -857,7 +869,15 @@ class AllReduceRound:
         claim = _Claim(_sha(payload), total, digests)
         self._ver_claim[j] = claim
         ver = Verified(
-            key.run_id, key.fragment, key.round, self.me, j, total, claim.digest, digests
+            key.run_id,
+            key.fragment,
+            key.round,
+            self.me,
+            j,
+            total,
+            claim.digest,
+            digests,
+            group=key.group,
         )
         out: list[Action] = [Send(m, ver) for m in self.spec.members if m != self.me]
         out.extend(self._settle(j))
@@ -960,6 +980,7 @@ class AllReduceRound:
             j,
             tuple(p.weight for p in parts),
             tuple(p.payload for p in parts),
+            group=key.group,
         )
         out: list[Action] = [self._send(m, ev) for m in members if m not in (self.me, other)]
         # no Abort: the evidence itself ends the round at every member, and an Abort

@@ -99,6 +99,17 @@ more than ``max_step_lag`` steps away (an :data:`OUT_OF_STEP` Disband naming its
 step). A peer refused so ends :class:`Alone` with ``swarm_step``, the median of the steps
 of the peers that refused it, before it contributed anything.
 
+Attempts at one slot. A slot is the fragment's version, so a peer whose round failed
+declares the same slot again at its next sync of the fragment, at a later step, and the
+messages of its first attempt (and its peers' answers to it) may still be on their way.
+Two things keep them apart. Every message but a JoinRequest carries ``for_step``, the
+receiver's step as the sender learnt it from the receiver's own messages of the slot; a
+message whose ``for_step`` is not this attempt's step is ignored (a "slot closed" meant for
+the first attempt would otherwise make this one drop its leader). And a leader tags its
+list (:attr:`GroupFormed.group`, a hash of the leader, a nonce of the attempt and the list)
+and the round runs under that tag (:attr:`~atoll.protocol.allreduce.RoundKey.group`), so
+two groups of one slot never take each other's parts.
+
 ``declared_at`` and ``weight`` are informative (logs, future staleness rules) and never
 decide anything. The machine trusts the ``sender`` field of messages: the driver checks it
 against the authenticated transport peer. Time is passed in as ``now`` (any monotonic
@@ -114,7 +125,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
-from atoll.protocol.allreduce import RoundKey
+from atoll.protocol.allreduce import GROUP_MAX, RoundKey
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.manifest import GroupSettings
 from atoll.protocol.messages import wire_message
@@ -248,6 +259,9 @@ class JoinAccept:
     version: int
     digest: str = field(metadata=_ID)
     step: int = -1
+    for_step: int = -1
+    """the receiver's step as the sender knows it (from the receiver's own messages of
+    this slot; -1: not known): a message for an earlier attempt at the slot is ignored"""
 
 
 @wire_message(22)
@@ -266,6 +280,9 @@ class Redirect:
     version: int
     digest: str = field(metadata=_ID)
     leader: str = field(metadata=_ID)
+    for_step: int = -1
+    """the receiver's step as the sender knows it (from the receiver's own messages of
+    this slot; -1: not known): a message for an earlier attempt at the slot is ignored"""
 
 
 @wire_message(23)
@@ -283,6 +300,12 @@ class GroupFormed:
     version: int
     digest: str = field(metadata=_ID)
     members: tuple[str, ...] = field(metadata={"max_len": _MEMBERS_MAX, "item_max_len": _ID_MAX})
+    for_step: int = -1
+    """the receiver's step as the sender knows it (from the receiver's own messages of
+    this slot; -1: not known): a message for an earlier attempt at the slot is ignored"""
+    group: str = field(default="", metadata={"max_len": GROUP_MAX})
+    """the leader's tag for this list (:attr:`RoundKey.group
+    <atoll.protocol.allreduce.RoundKey>`): the round it names is this group's alone"""
 
 
 @wire_message(24)
@@ -304,6 +327,9 @@ class Disband:
     step: int = -1
     """the sender's inner step at the start of its sync (-1: not said): with an
     :data:`OUT_OF_STEP` reason, the step the receiver should have been near"""
+    for_step: int = -1
+    """the receiver's step as the sender knows it (from the receiver's own messages of
+    this slot; -1: not known): a message for an earlier attempt at the slot is ignored"""
 
 
 Message: TypeAlias = JoinRequest | JoinAccept | Redirect | GroupFormed | Disband
@@ -332,6 +358,7 @@ class Formed:
     members: tuple[str, ...]
     leader: str
     key: RoundKey
+    """its ``group`` is the leader's tag of this list (from :class:`GroupFormed`)"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,6 +466,7 @@ class Matchmaker:
         patience: float = 0.0,
         step_period: int = 0,
         max_step_lag: int = 0,
+        nonce: str = "",
     ) -> None:
         problem = _declaration_problem(me)
         if problem is not None:
@@ -455,8 +483,15 @@ class Matchmaker:
             raise ConfigError(f"patience must be finite and >= 0, not {patience!r}")
         if not _is_int(step_period) or step_period < 0 or not _is_int(max_step_lag):
             raise ConfigError("step_period and max_step_lag must be integers, step_period >= 0")
+        if not isinstance(nonce, str):
+            raise ConfigError(f"nonce must be a str, not {type(nonce).__name__}")
+        self.nonce = nonce
+        """this attempt's own tag (the driver's random bytes), mixed into the group tag of
+        a list this peer forms as leader"""
         self.step_period = step_period
         self.max_step_lag = max(0, max_step_lag)
+        # peers' steps as their own messages of this slot state them (for_step)
+        self._steps: dict[str, int] = {}
         self._refused_at: list[int] = []  # steps of the peers that refused ours
         self.patience = float(patience)
         self.answer_s = None if answer_s is None else float(answer_s)
@@ -484,6 +519,7 @@ class Matchmaker:
         self._redirects = 0
         self._members: tuple[str, ...] | None = None
         self._leader: str | None = None
+        self._group = ""
         # when we last heard from the target (or asked it); the leader's next keepalive
         self._heard_at = float(now)
         self._keepalive_at = math.inf
@@ -498,8 +534,9 @@ class Matchmaker:
 
     @property
     def key(self) -> RoundKey:
-        """The round key a formed group runs under (the round is the global version)."""
-        return RoundKey(self.me.run_id, self.me.fragment, self.me.version)
+        """The round key a formed group runs under (the round is the global version, the
+        group the leader's tag of its list; "" before the group formed)."""
+        return RoundKey(self.me.run_id, self.me.fragment, self.me.version, self._group)
 
     @property
     def deadline(self) -> float:
@@ -625,6 +662,8 @@ class Matchmaker:
         out = self.tick(now)
         if not self._relevant(msg):
             return out
+        if self._stale(msg):
+            return out
         if isinstance(msg, JoinRequest):
             why = self._step_problem(msg.step)
             if why is not None:
@@ -662,14 +701,7 @@ class Matchmaker:
             out.extend(self._drop_silent(self._target, now))
         if self._state == "leading" and self._accepted and now >= self._keepalive_at:
             self._keepalive_at = now + self._keepalive_s()
-            m = self.me
-            out.extend(
-                Send(
-                    f,
-                    JoinAccept(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, m.step),
-                )
-                for f in self._accepted
-            )
+            out.extend(self._accept(f) for f in self._accepted)
         out.extend(self._decide(now))
         out.extend(self._release_held(now))
         return out
@@ -790,18 +822,42 @@ class Matchmaker:
         self._state = "formed"
         self._members = members
         self._leader = self._id
+        self._group = self._group_tag(members)
         self._accepted.clear()
         self._quorum_at = None
         m = self.me
         out: list[Action] = [
             Send(
-                p, GroupFormed(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, members)
+                p,
+                GroupFormed(
+                    self._id,
+                    m.run_id,
+                    m.fragment,
+                    m.slot,
+                    m.version,
+                    m.digest,
+                    members,
+                    self._steps.get(p, -1),
+                    self._group,
+                ),
             )
             for p in members
             if p != self._id
         ]
         out.append(Formed(members, self._id, self.key))
         return out
+
+    def _group_tag(self, members: tuple[str, ...]) -> str:
+        """The tag of the list this peer forms as leader: a hash of the leader, this
+        attempt (its nonce, step and declaration time) and the list, so that two attempts
+        at one slot by the same members name two rounds."""
+        m = self.me
+        h = hashlib.sha256(_RANK_TAG + b"/group")
+        for part in (self._id, self.nonce, str(m.step), repr(m.declared_at), *members):
+            data = part.encode("utf-8", "surrogatepass")
+            h.update(len(data).to_bytes(8, "big"))
+            h.update(data)
+        return h.hexdigest()[:32]
 
     def _expire(self) -> list[Action]:
         """The timeout: form with a quorum, otherwise give up (and tell whom it concerns)."""
@@ -849,6 +905,19 @@ class Matchmaker:
             and _is_int(msg.version)
         )
 
+    def _stale(self, msg: Message) -> bool:
+        """Whether ``msg`` is for an earlier attempt of this peer at this slot (its
+        ``for_step`` names another step than ours: a failed round's slot is tried again
+        at a later sync step), and is to be ignored; else note the sender's own step."""
+        if not isinstance(msg, JoinRequest):
+            aimed = msg.for_step
+            if _is_int(aimed) and aimed >= 0 and self.me.step >= 0 and aimed != self.me.step:
+                return True
+        stated = getattr(msg, "step", -1)
+        if isinstance(msg, JoinRequest | JoinAccept | Disband) and _is_int(stated) and stated >= 0:
+            self._steps[msg.sender] = stated
+        return False
+
     def _on_join(self, sender: str, weight: float, now: float) -> list[Action]:
         """Answer a request now (leader, follower, finished) or hold it (searching)."""
         if self._state == "formed":
@@ -866,13 +935,7 @@ class Matchmaker:
                     self._keepalive_at = now + self._keepalive_s()
                 self._accepted[sender] = weight
                 self._count_quorum(now)
-            m = self.me
-            out: list[Action] = [
-                Send(
-                    sender,
-                    JoinAccept(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, m.step),
-                )
-            ]
+            out: list[Action] = [self._accept(sender)]
             out.extend(self._maybe_form(now))
             return out
         if self._state == "following":
@@ -955,6 +1018,7 @@ class Matchmaker:
         self._state = "formed"
         self._members = tuple(members)
         self._leader = msg.sender
+        self._group = msg.group if isinstance(msg.group, str) else ""
         self._target = None
         return [Formed(self._members, msg.sender, self.key)]
 
@@ -998,10 +1062,36 @@ class Matchmaker:
         return self._decide(now)
 
     # -- messages --------------------------------------------------------------------------
+    def _accept(self, to: str) -> Send:
+        m = self.me
+        return Send(
+            to,
+            JoinAccept(
+                self._id,
+                m.run_id,
+                m.fragment,
+                m.slot,
+                m.version,
+                m.digest,
+                m.step,
+                self._steps.get(to, -1),
+            ),
+        )
+
     def _redirect(self, to: str, leader: str) -> Send:
         m = self.me
         return Send(
-            to, Redirect(self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, leader)
+            to,
+            Redirect(
+                self._id,
+                m.run_id,
+                m.fragment,
+                m.slot,
+                m.version,
+                m.digest,
+                leader,
+                self._steps.get(to, -1),
+            ),
         )
 
     def _disband(self, to: str, reason: str) -> Send:
@@ -1009,6 +1099,14 @@ class Matchmaker:
         return Send(
             to,
             Disband(
-                self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, _clip(reason), m.step
+                self._id,
+                m.run_id,
+                m.fragment,
+                m.slot,
+                m.version,
+                m.digest,
+                _clip(reason),
+                m.step,
+                self._steps.get(to, -1),
             ),
         )

@@ -25,6 +25,7 @@ from atoll.protocol.robust import RobustRule
 
 __all__ = [
     "DIGEST_BYTES",
+    "GROUP_MAX",
     "MAX_GROUP",
     "Abort",
     "Evidence",
@@ -40,6 +41,8 @@ DIGEST_BYTES = 32
 """Length of a part's or a chunk's digest (sha256)."""
 MAX_GROUP = 1024
 """Most members whose digests or parts one message may list."""
+GROUP_MAX = 64
+"""Longest group tag (:attr:`RoundKey.group`) a message may carry, in characters."""
 _DIGESTS = {"max_len": MAX_GROUP, "item_max_len": DIGEST_BYTES}
 
 
@@ -52,11 +55,16 @@ class RoundKey:
 
     ``round`` is the fragment's global version the pseudo-gradient is taken against
     (:attr:`engine.SyncRequest.round`): members with different versions cannot average.
+    ``group`` names the group that runs it (the matchmaking leader's tag for its member
+    list, :attr:`~atoll.protocol.matchmaking.GroupFormed.group`; "" for none): a round of
+    the same version run again by a later group (the first failed) is another round, and
+    the messages of the one never reach the other.
     """
 
     run_id: str
     fragment: int
     round: int
+    group: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +177,8 @@ class Part:
     seal: bytes = field(default=b"", metadata={"max_len": MAX_PART_SEAL})
     """with :attr:`RoundSpec.sealed`: the sender's seal over this part
     (:func:`~atoll.protocol.partseal.seal_part`); else empty, and left off the wire"""
+    group: str = field(default="", metadata={"max_len": GROUP_MAX})
+    """the group's tag (:attr:`RoundKey.group`); left off the wire when empty"""
 
 
 @wire_message(11)
@@ -191,6 +201,8 @@ class Reduced:
     part_digests: tuple[bytes, ...] = field(default=(), metadata=_DIGESTS)
     """with :attr:`RoundSpec.verify_owners`: the sha256 of each part the owner reduced, in
     member order, so that every member can check that its own part was used"""
+    group: str = field(default="", metadata={"max_len": GROUP_MAX})
+    """the group's tag (:attr:`RoundKey.group`); left off the wire when empty"""
 
 
 @wire_message(12)
@@ -221,12 +233,14 @@ class Abort:
     for ``chunk`` (its weight, payload and seal); else 0 and empty, left off the wire"""
     twin_payload: bytes = b""
     twin_seal: bytes = field(default=b"", metadata={"max_len": MAX_PART_SEAL})
+    group: str = field(default="", metadata={"max_len": GROUP_MAX})
+    """the group's tag (:attr:`RoundKey.group`); left off the wire when empty"""
 
     @classmethod
     def carrying(cls, key: RoundKey, sender: str, reason: str, proof: Proof | None = None) -> Abort:
         """``sender``'s abort of the round ``key``, with ``proof`` when there is one."""
         if proof is None:
-            return cls(key.run_id, key.fragment, key.round, sender, reason)
+            return cls(key.run_id, key.fragment, key.round, sender, reason, group=key.group)
         twin = proof.twin if proof.twin is not None else (0.0, b"", b"")
         return cls(
             key.run_id,
@@ -239,6 +253,7 @@ class Abort:
             proof.payloads,
             proof.seals,
             *twin,
+            group=key.group,
         )
 
     def proof(self) -> Proof | None:
@@ -267,6 +282,8 @@ class Verified:
     total_weight: float
     digest: bytes = field(metadata={"max_len": DIGEST_BYTES})
     part_digests: tuple[bytes, ...] = field(metadata=_DIGESTS)
+    group: str = field(default="", metadata={"max_len": GROUP_MAX})
+    """the group's tag (:attr:`RoundKey.group`); left off the wire when empty"""
 
 
 @wire_message(14)
@@ -287,6 +304,8 @@ class Evidence:
     chunk: int
     weights: tuple[float, ...] = field(metadata={"max_len": MAX_GROUP})
     payloads: tuple[bytes, ...] = field(metadata={"max_len": MAX_GROUP})
+    group: str = field(default="", metadata={"max_len": GROUP_MAX})
+    """the group's tag (:attr:`RoundKey.group`); left off the wire when empty"""
 
 
 Message: TypeAlias = Part | Reduced | Abort | Verified | Evidence

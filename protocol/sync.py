@@ -374,7 +374,7 @@ class FragmentSync:
         self._phase = "reducing"
         codec = self.engine.config
         spec = ar.RoundSpec(
-            ar.RoundKey(self.run_id, self.fragment, request.round),
+            ar.RoundKey(self.run_id, self.fragment, request.round, found.key.group),
             found.members,
             request.numel,
             codec.codec,

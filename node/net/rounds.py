@@ -15,7 +15,8 @@ network process:
   belongs to, by key. Messages whose ``sender`` field is not the authenticated peer are
   dropped (the machines trust that field). Messages for a round this node has not opened
   yet (a peer formed its group a moment earlier) are held, bounded in count and bytes,
-  for :attr:`Mailbox.hold_s`; messages for a round that just closed are dropped.
+  for :attr:`Mailbox.hold_s`; messages for a round that just closed are dropped (those
+  of a matchmaking slot are held: a slot is tried again after a failed round).
 - :func:`run_matchmaking`: publish the declaration in the DHT, poll the DHT view of the
   slot, and run the Matchmaker until it is Formed or Alone.
 - :func:`run_allreduce`: run one AllReduceRound; sends to different peers go out in
@@ -42,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -91,7 +93,7 @@ Event = tuple[str, Any]  # ("msg", message) or ("lost", peer) or ("view", declar
 def key_of(msg: object) -> Key | None:
     """The routing key of a round message, or None for a message no round takes."""
     if isinstance(msg, ar.Part | ar.Reduced | ar.Abort | ar.Verified | ar.Evidence):
-        return ("ar", msg.run_id, msg.fragment, msg.round)
+        return ("ar", msg.run_id, msg.fragment, msg.round, msg.group)
     if isinstance(msg, mm.JoinRequest | mm.JoinAccept | mm.Redirect | mm.GroupFormed | mm.Disband):
         return ("mm", msg.run_id, msg.fragment, msg.slot)
     if isinstance(msg, ss.StateChunk):
@@ -225,7 +227,10 @@ class Mailbox:
         if channel is not None:
             self._deliver(key, channel, sender, msg)
             return
-        if key in self._closed:
+        if key in self._closed and key[0] != "mm":
+            # a round's late messages; a slot's are held: the slot may be tried again at
+            # once (a peer's next attempt asks us between two of ours), and the
+            # matchmaker tells an earlier attempt's answers apart itself (for_step)
             self.dropped += 1
             return
         size = _size(msg)
@@ -531,6 +536,7 @@ async def run_matchmaking(
         patience=patience_s,
         step_period=step_period,
         max_step_lag=max_step_lag,
+        nonce=secrets.token_hex(8),
     )
     outcome: mm.Formed | mm.Alone | None = None
     mailbox.open(key, send_ch)
@@ -665,7 +671,7 @@ async def run_allreduce(
     ``"parts_sent"`` once every part has.
     """
     me = host.peer_id
-    key = ("ar", spec.key.run_id, spec.key.fragment, spec.key.round)
+    key = ("ar", spec.key.run_id, spec.key.fragment, spec.key.round, spec.key.group)
     send_ch, events = trio.open_memory_channel[Event](4 * len(spec.members) + 16)
     start = trio.current_time()
     try:

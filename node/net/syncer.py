@@ -811,7 +811,7 @@ class Syncer:
         me = self.transport.peer_id
         d = ahead.declaration
         logger.info("fragment %d: leaving the group formed ahead at slot %d: %s", p, d.slot, why)
-        abort = ar.Abort(self.run_id, p, d.version, me, f"left the group formed ahead: {why}")
+        abort = ar.Abort.carrying(found.key, me, f"left the group formed ahead: {why}")
         for peer in found.members:
             if peer != me:
                 self.background.start_soon(self._send_quietly, peer, abort)

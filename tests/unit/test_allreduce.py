@@ -731,6 +731,8 @@ def test_ignored_messages_change_nothing() -> None:
         replace(good, fragment=KEY.fragment + 1),
         replace(good, sender="stranger"),
         replace(good, sender="peer0"),  # claims to be me
+        replace(good, group="an-earlier-group"),  # the same version's round, another group
+        Abort(KEY.run_id, KEY.fragment, KEY.round, "peer1", "no", group="an-earlier-group"),
         Abort("other-run", KEY.fragment, KEY.round, "peer1", "no"),
         Abort(KEY.run_id, KEY.fragment, KEY.round, "stranger", "no"),
     ]

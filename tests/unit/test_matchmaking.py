@@ -208,12 +208,16 @@ def check_safety(sw: Swarm) -> None:
         d = sw.by_id[peer]
         assert peer in f.members, (peer, f)
         assert f.leader == f.members[0]
-        assert f.key == RoundKey(d.run_id, d.fragment, d.version)
+        assert f.key == RoundKey(d.run_id, d.fragment, d.version, f.key.group)
+        # one tag per list: the leader's own, and no other group's
+        assert f.key.group and f.key.group == formed[f.leader].key.group
         assert g.min_quorum <= len(f.members) <= g.max_size, f
         assert list(f.members) == by_rank_of(sw, f.members)
         # the list came from its leader's single GroupFormed: identical everywhere
         assert groups.get(f.leader) == f.members, (peer, f, groups.get(f.leader))
         assert len({compat_key(sw.by_id[p]) for p in f.members}) == 1
+    tags = [formed[leader].key.group for leader in groups]
+    assert len(set(tags)) == len(tags), tags
     seen: set[str] = set()
     for members in groups.values():
         assert not seen & set(members), f"a peer in two groups: {seen & set(members)}"
@@ -329,9 +333,11 @@ def test_grace_window_takes_late_peers_then_closes() -> None:
     out = m.tick(2.5)
     members = tuple(by_rank([lead, a, b]))
     assert members[0] == lead
-    formed = GroupFormed(lead, RUN, FRAG, SLOT, VERSION, DIGEST, members)
+    group = m.key.group  # the leader's tag of its list, one for every member
+    assert len(group) == 32
+    formed = GroupFormed(lead, RUN, FRAG, SLOT, VERSION, DIGEST, members, group=group)
     assert sends(out) == [(a, formed), (b, formed)]
-    assert outcome(out) == [Formed(members, lead, RoundKey(RUN, FRAG, VERSION))]
+    assert outcome(out) == [Formed(members, lead, RoundKey(RUN, FRAG, VERSION, group))]
     assert m.state == "formed" and m.members == members and m.next_deadline is None
     # after GroupFormed the group is final: a latecomer is turned away
     [(to, msg)] = sends(m.receive(request(decl(c)), now=3.0))
@@ -567,7 +573,7 @@ def test_min_quorum_one_lone_peer_forms_a_group_of_one_after_grace() -> None:
     assert m.observe([decl("solo")], now=10.0) == []
     assert m.next_deadline == 12.0
     out = m.tick(12.0)
-    assert out == [Formed(("solo",), "solo", RoundKey(RUN, FRAG, VERSION))]
+    assert out == [Formed(("solo",), "solo", RoundKey(RUN, FRAG, VERSION, m.key.group))]
 
 
 # --------------------------------------------------------------------------------------
@@ -635,7 +641,8 @@ def test_quorum_not_reached_leaves_everyone_alone_by_the_timeout() -> None:
 
 def test_min_quorum_one_alone_in_a_swarm() -> None:
     sw = Swarm([decl("solo")], GroupSettings(1, 8, 2.0)).run()
-    assert sw.results == {"solo": Formed(("solo",), "solo", RoundKey(RUN, FRAG, VERSION))}
+    group = sw.machines["solo"].key.group
+    assert sw.results == {"solo": Formed(("solo",), "solo", RoundKey(RUN, FRAG, VERSION, group))}
     assert sw.ended_at["solo"] == 2.0
 
 
@@ -978,3 +985,81 @@ def test_steps_are_not_checked_when_a_peer_does_not_say() -> None:
     assert [type(o) for o in outcome(follow)] == [Formed]
     _, follow = _run_pair(480, -1)
     assert [type(o) for o in outcome(follow)] == [Formed]
+
+
+# --------------------------------------------------------------------------------------
+# a slot tried again: the earlier attempt's messages do not steer the later one
+# --------------------------------------------------------------------------------------
+def test_a_follower_ignores_answers_meant_for_its_earlier_attempt_at_the_slot() -> None:
+    """A peer whose round at this slot failed declares it again at a later sync step
+    (the version did not move). The leader's answers to its first attempt (a "slot
+    closed" Disband, a GroupFormed naming it) still arrive; they name the step of that
+    attempt (``for_step``) and are ignored, so the peer neither drops the leader nor runs
+    the old list. The answers to this attempt, which name its step, count."""
+    low, high = by_rank(["p-a", "p-b"])
+    follower = _stepped(high, 492)
+    asked = sends(follower.observe([decl(low)], now=0.0))
+    assert [(to, type(m)) for to, m in asked] == [(low, JoinRequest)]
+    assert asked[0][1].step == 492  # type: ignore[union-attr]
+    members = tuple(by_rank([low, high]))
+    old = dict(for_step=480)
+    closed = "slot closed: the group has formed"
+    stale = [
+        Disband(low, RUN, FRAG, SLOT, VERSION, DIGEST, closed, 480, **old),
+        GroupFormed(low, RUN, FRAG, SLOT, VERSION, DIGEST, members, group="old-group", **old),
+        JoinAccept(low, RUN, FRAG, SLOT, VERSION, DIGEST, 480, **old),
+    ]
+    for msg in stale:
+        assert follower.receive(msg, now=0.1) == []
+        assert follower.state == "searching" and follower.leader == low
+    accept = JoinAccept(low, RUN, FRAG, SLOT, VERSION, DIGEST, 492, 492)
+    assert follower.receive(accept, now=0.2) == []
+    assert follower.state == "following"
+    formed = GroupFormed(low, RUN, FRAG, SLOT, VERSION, DIGEST, members, 492, "new-group")
+    (done,) = outcome(follower.receive(formed, now=0.3))
+    assert isinstance(done, Formed) and done.key.group == "new-group"
+
+
+def test_a_leader_answers_with_the_requesters_step_and_ignores_its_stale_leaving() -> None:
+    """The leader names each requester's step in its answers (so that an answer reaching
+    the requester's next attempt is ignored there), and a follower's Disband meant for
+    the leader's earlier attempt does not take the follower out of this one."""
+    low, high = by_rank(["p-a", "p-b"])
+    leader = Matchmaker(
+        dataclasses.replace(decl(low), step=492),
+        GroupSettings(min_quorum=2, max_size=4, grace_s=5.0),
+        now=0.0,
+        timeout=TIMEOUT,
+        step_period=H_STEPS,
+        max_step_lag=LAG,
+    )
+    leader.observe([decl(high)], now=0.0)
+    assert leader.state == "leading"
+    joined = dataclasses.replace(request(decl(high)), step=492)
+    [(to, accept)] = sends(leader.receive(joined, now=0.1))
+    assert to == high and isinstance(accept, JoinAccept) and accept.for_step == 492
+    bye = Disband(high, RUN, FRAG, SLOT, VERSION, DIGEST, "gave up", 480, for_step=480)
+    leader.receive(bye, now=0.2)  # from the follower's earlier attempt, to ours
+    [(to, formed)] = sends(leader.tick(5.1))
+    assert isinstance(formed, GroupFormed) and formed.members == tuple(by_rank([low, high]))
+    assert formed.for_step == 492 and formed.group == leader.key.group != ""
+
+
+def test_two_attempts_at_one_slot_by_the_same_members_name_two_groups() -> None:
+    """The leader's tag of its list mixes in its attempt (nonce, step, declaration
+    time): a second attempt by the same members runs another round key."""
+    low, high = by_rank(["p-a", "p-b"])
+    tags = []
+    for step, nonce in ((480, "a1"), (492, "b2")):
+        leader = Matchmaker(
+            dataclasses.replace(decl(low), step=step),
+            GroupSettings(min_quorum=2, max_size=2, grace_s=0.0),
+            now=0.0,
+            timeout=TIMEOUT,
+            nonce=nonce,
+        )
+        leader.observe([decl(high)], now=0.0)
+        (done,) = outcome(leader.receive(request(decl(high)), now=0.1))
+        assert isinstance(done, Formed)
+        tags.append(done.key.group)
+    assert len(set(tags)) == 2 and all(len(t) == 32 for t in tags)

@@ -23,7 +23,7 @@ def _join(sender: str = "peer-a", slot: int = 9) -> mm.JoinRequest:
     return mm.JoinRequest(sender, "run", 1, slot, 3, "d" * 32, 1.0)
 
 
-AR_KEY = ("ar", "run", 1, 4)
+AR_KEY = ("ar", "run", 1, 4, "")  # a round of no named group
 MM_KEY = ("mm", "run", 1, 9)
 
 
@@ -48,6 +48,8 @@ def test_key_of() -> None:
     assert key_of(_part()) == AR_KEY
     assert key_of(ar.Reduced("run", 1, 4, "peer-b", 0, 2.0, b"")) == AR_KEY
     assert key_of(ar.Abort("run", 1, 4, "peer-b", "x")) == AR_KEY
+    # a later group's round of the same version is another key
+    assert key_of(ar.Abort("run", 1, 4, "peer-b", "x", group="g2")) == ("ar", "run", 1, 4, "g2")
     assert key_of(_join()) == MM_KEY
     assert key_of(mm.Disband("peer-a", "run", 1, 9, 3, "d" * 32, "bye")) == MM_KEY
     chunk = ss.StateChunk("peer-s", "run", 1, 3, "d" * 32, 0, 100, b"x")
@@ -151,6 +153,27 @@ def test_a_message_for_a_just_closed_key_is_dropped_then_held_again() -> None:
             box.open(AR_KEY, send2)
             assert _drain(recv2) == [("msg", again)]
             assert _drain(recv) == []
+
+    _run(main)
+
+
+def test_a_request_for_a_slot_between_two_attempts_is_held_for_the_next() -> None:
+    """A matchmaking slot just closed (its attempt ended) may be tried again at once: a
+    peer's request that arrives in between is held for the next attempt, not dropped."""
+
+    async def main() -> None:
+        box = _mailbox(closed_s=2.0, hold_s=30.0)
+        send, recv = trio.open_memory_channel[Any](10)
+        box.open(MM_KEY, send)
+        box.close(MM_KEY)
+        async with trio.open_nursery() as nursery:
+            await trio.sleep(0.5)
+            j = _join()
+            box.route("peer-a", j, nursery)
+            assert box.dropped == 0 and box.held_by("peer-a")[0] == 1
+            send2, recv2 = trio.open_memory_channel[Any](10)
+            box.open(MM_KEY, send2)
+            assert _drain(recv2) == [("msg", j)] and _drain(recv) == []
 
     _run(main)
 
@@ -354,7 +377,7 @@ def test_one_peer_flooding_early_messages_cannot_crowd_out_the_others() -> None:
         box.open(AR_KEY, send)  # round 4: peer-a's part (mallory's share held rounds 0-2)
         assert [m.sender for _, m in _drain(recv)] == ["peer-a"]
         assert box.held_by("peer-a") == (0, 0)
-        box.open(("ar", "run", 1, 0), send)
+        box.open(("ar", "run", 1, 0, ""), send)
         assert [m.sender for _, m in _drain(recv)] == ["mallory"]
         assert box.held_by("mallory") == (2, 2 * 256)
 

@@ -1340,6 +1340,51 @@ def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> No
     _run(main)
 
 
+@pytest.mark.parametrize("leaver_leads", [True, False])
+def test_after_a_pair_formed_ahead_breaks_up_the_next_attempts_at_the_slot_meet(
+    leaver_leads: bool,
+) -> None:
+    """Two nodes form fragment 0's group ahead of the sync at step 3; one of them then
+    syncs at step 7 instead (it leaves that group, whose round fails for the other), and
+    the other's next sync, at step 7 too, comes right after: the same slot (the version
+    did not move), a second attempt by each. Messages of the first attempt must not
+    steer the second (a stale "slot closed" made one of them drop the other, and a
+    request that reached a node between its attempts was dropped, so that each waited
+    for the other until its deadline): the two form one group and commit one copy."""
+
+    async def main() -> None:
+        async with (
+            MemoryNetwork.open(run_id=RUN, delay_s=0.05) as net,
+            trio.open_nursery() as services,
+        ):
+            _, nodes = await _swarm(net, services, 2)
+            start = nodes[0].state()
+            for n in nodes:
+                await n.syncer.peers.refresh()
+                assert n.syncer.prepare(0, 3)
+            await trio.sleep(TRAIN_S)
+            leader = _leader_of(nodes, start[0])
+            leaver = leader if leaver_leads else next(n for n in nodes if n is not leader)
+            stayer = next(n for n in nodes if n is not leaver)
+            locals_ = _locals(2)
+
+            async def stayer_twice() -> None:
+                await _sync(stayer, locals_[0], 3)
+                first = stayer.report
+                assert first is not None and first.done.round_status == "failed", first
+                await _sync(stayer, locals_[0], 7)
+
+            async with trio.open_nursery() as syncs:
+                syncs.start_soon(stayer_twice)
+                syncs.start_soon(_sync, leaver, locals_[1], 7)
+            reports = [n.report for n in nodes]
+            assert all(r.done.applied for r in reports), reports  # type: ignore[union-attr]
+            assert len({n.state() for n in nodes}) == 1 and nodes[0].state() != start
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 @pytest.mark.parametrize("how", ["jumped", "stopped"])
 def test_a_group_formed_ahead_that_no_sync_will_take_is_left_at_once(how: str) -> None:
     """One node's trainer jumps past the step its group was formed for, or stops: the
