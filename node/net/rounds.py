@@ -434,6 +434,13 @@ class _Refusing:
         return self.machine.receive(msg, now=now)
 
 
+def _brief(msg: object) -> str:
+    """A matchmaking message in one short line, for debug logs."""
+    fields = ("sender", "fragment", "slot", "step", "for_step", "leader", "members", "reason")
+    said = [f"{f}={getattr(msg, f)!r}"[:90] for f in fields if hasattr(msg, f)]
+    return f"{type(msg).__name__}({', '.join(said)})"
+
+
 async def _drive(
     machine: _Machine,
     actions: Sequence[Any],
@@ -448,6 +455,8 @@ async def _drive(
         outcome = None
         for action in actions:
             if isinstance(action, mm.Send | ar.Send | sf.Send):
+                if isinstance(action, mm.Send) and logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("matchmaking: to %s: %s", action.to, _brief(action.message))
                 runner.send(action.to, action.message)
             else:
                 outcome = action
@@ -458,6 +467,10 @@ async def _drive(
         if event is None:
             actions = machine.tick(now)
         elif event[0] == "msg":
+            if isinstance(machine, mm.Matchmaker | _Refusing) and logger.isEnabledFor(
+                logging.DEBUG
+            ):
+                logger.debug("matchmaking: got %s", _brief(event[1]))
             actions = machine.receive(event[1], now=now)
         elif event[0] == "lost":
             actions = machine.peer_lost(event[1], now=now)
