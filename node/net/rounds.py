@@ -105,6 +105,11 @@ def key_of(msg: object) -> Key | None:
     return None
 
 
+def _is_slot(key: Key) -> bool:
+    """Whether ``key`` is a matchmaking slot's (see :func:`key_of`)."""
+    return isinstance(key, tuple) and bool(key) and key[0] == "mm"
+
+
 def _size(msg: object) -> int:
     payload = getattr(msg, "payload", b"")
     size = 256 + (len(payload) if isinstance(payload, bytes) else 0)
@@ -227,7 +232,7 @@ class Mailbox:
         if channel is not None:
             self._deliver(key, channel, sender, msg)
             return
-        if key in self._closed and key[0] != "mm":
+        if key in self._closed and not _is_slot(key):
             # a round's late messages; a slot's are held: the slot may be tried again at
             # once (a peer's next attempt asks us between two of ours), and the
             # matchmaker tells an earlier attempt's answers apart itself (for_step)
