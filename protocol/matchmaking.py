@@ -790,9 +790,7 @@ class Matchmaker:
         out.append(
             Send(
                 best,
-                JoinRequest(
-                    self._id, m.run_id, m.fragment, m.slot, m.version, m.digest, m.weight, m.step
-                ),
+                JoinRequest(*self._head(), m.weight, m.step),
             )
         )
         return out
@@ -825,17 +823,11 @@ class Matchmaker:
         self._group = self._group_tag(members)
         self._accepted.clear()
         self._quorum_at = None
-        m = self.me
         out: list[Action] = [
             Send(
                 p,
                 GroupFormed(
-                    self._id,
-                    m.run_id,
-                    m.fragment,
-                    m.slot,
-                    m.version,
-                    m.digest,
+                    *self._head(),
                     members,
                     self._steps.get(p, -1),
                     self._group,
@@ -1062,33 +1054,28 @@ class Matchmaker:
         return self._decide(now)
 
     # -- messages --------------------------------------------------------------------------
+    def _head(self) -> tuple[str, str, int, int, int, str]:
+        """The fields every message of this slot begins with: sender, run, fragment, slot,
+        version, digest."""
+        m = self.me
+        return (self._id, m.run_id, m.fragment, m.slot, m.version, m.digest)
+
     def _accept(self, to: str) -> Send:
         m = self.me
         return Send(
             to,
             JoinAccept(
-                self._id,
-                m.run_id,
-                m.fragment,
-                m.slot,
-                m.version,
-                m.digest,
+                *self._head(),
                 m.step,
                 self._steps.get(to, -1),
             ),
         )
 
     def _redirect(self, to: str, leader: str) -> Send:
-        m = self.me
         return Send(
             to,
             Redirect(
-                self._id,
-                m.run_id,
-                m.fragment,
-                m.slot,
-                m.version,
-                m.digest,
+                *self._head(),
                 leader,
                 self._steps.get(to, -1),
             ),
@@ -1099,12 +1086,7 @@ class Matchmaker:
         return Send(
             to,
             Disband(
-                self._id,
-                m.run_id,
-                m.fragment,
-                m.slot,
-                m.version,
-                m.digest,
+                *self._head(),
                 _clip(reason),
                 m.step,
                 self._steps.get(to, -1),
