@@ -159,8 +159,13 @@ class Mailbox:
         hold_peer_messages: int = 512,
         requests: int = 64,
         requests_per_peer: int = 4,
+        passed: Callable[[int, int], int | None] | None = None,
     ) -> None:
         self.host = host
+        self.passed = passed
+        """``(fragment, slot)`` -> this node's version of the fragment when it is past that
+        slot (it will not match at it again), else None: a join request for such a slot
+        is refused at once instead of held"""
         self.liveness = liveness
         self.hold_s = hold_s
         self._on_request = on_request
@@ -232,6 +237,11 @@ class Mailbox:
         if channel is not None:
             self._deliver(key, channel, sender, msg)
             return
+        if isinstance(msg, mm.JoinRequest) and self.passed is not None:
+            version = self.passed(msg.fragment, msg.slot)
+            if version is not None:  # the slot is over here: say so, do not let it wait
+                self._start_request(sender, msg, nursery, self._refuse_join(msg, version))
+                return
         if key in self._closed and not _is_slot(key):
             # a round's late messages; a slot's are held: the slot may be tried again at
             # once (a peer's next attempt asks us between two of ours), and the
@@ -292,7 +302,30 @@ class Mailbox:
             if mine[0] <= 0:
                 del self._peer_held[sender]
 
-    def _start_request(self, sender: str, msg: object, nursery: trio.Nursery) -> None:
+    def _refuse_join(
+        self, msg: mm.JoinRequest, version: int
+    ) -> Callable[[str, object], Awaitable[None]]:
+        """The answer to a join request for a slot this node is past: a Disband naming
+        the version it is at (the requester asks another peer, or leads, at once)."""
+        me = self.host.peer_id
+        reason = f"slot closed: this node is at version {version}"
+        answer = mm.Disband(
+            me, msg.run_id, msg.fragment, msg.slot, msg.version, msg.digest, reason, -1, msg.step
+        )
+
+        async def refuse(sender: str, _msg: object) -> None:
+            with contextlib.suppress(AtollError, CodecError):
+                await self.host.send(sender, answer)
+
+        return refuse
+
+    def _start_request(
+        self,
+        sender: str,
+        msg: object,
+        nursery: trio.Nursery,
+        handler: Callable[[str, object], Awaitable[None]] | None = None,
+    ) -> None:
         running = self._peer_requests.get(sender, 0)
         if running >= self._requests_per_peer or self._requests_running >= self._requests:
             logger.info(
@@ -306,12 +339,18 @@ class Mailbox:
             return
         self._peer_requests[sender] = running + 1
         self._requests_running += 1
-        nursery.start_soon(self._serve_request, sender, msg)
+        nursery.start_soon(self._serve_request, sender, msg, handler)
 
-    async def _serve_request(self, sender: str, msg: object) -> None:
-        assert self._on_request is not None
+    async def _serve_request(
+        self,
+        sender: str,
+        msg: object,
+        handler: Callable[[str, object], Awaitable[None]] | None = None,
+    ) -> None:
+        serve = handler if handler is not None else self._on_request
+        assert serve is not None
         try:
-            await self._on_request(sender, msg)
+            await serve(sender, msg)
         finally:
             self._requests_running -= 1
             left = self._peer_requests.get(sender, 1) - 1

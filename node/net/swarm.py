@@ -184,6 +184,7 @@ class _Node:
             on_request=self._on_request,
             hold_s=manifest.timeouts.round_s,
             liveness=liveness,
+            passed=self._passed,
         )
         self.syncer = Syncer(
             transport=(
@@ -388,6 +389,15 @@ class _Node:
             if theirs != mine:
                 out.append(peer)
         return out
+
+    def _passed(self, fragment: int, slot: int) -> int | None:
+        """This node's version of ``fragment`` when it is past ``slot`` (a slot is a
+        version: a node that applied or copied a later one will not match at it), else
+        None."""
+        if not 0 <= fragment < len(self.shared):
+            return None
+        version = self.engine.version(fragment)
+        return version if version > slot else None
 
     # -- the record and the status --------------------------------------------------------
     def _versions(self) -> tuple[int, ...]:
