@@ -197,8 +197,14 @@ class Mailbox:
             for sender, msg in held.items:
                 self._deliver(key, channel, sender, msg)
 
-    def close(self, key: Key) -> None:
-        """Stop delivering ``key``; its late messages are dropped for ``closed_s``."""
+    def close(self, key: Key, channel: trio.MemorySendChannel[Event] | None = None) -> None:
+        """Stop delivering ``key``; its late messages are dropped for ``closed_s``. With
+        ``channel``: only while ``key`` still delivers to it (a later attempt at the same
+        key may have opened it since: a group formed ahead that a sync let go while the
+        sync's own matchmaking of that slot had begun; closing would cut the later one
+        off)."""
+        if channel is not None and self._open.get(key) is not channel:
+            return
         self._open.pop(key, None)
         self._closed[key] = trio.current_time() + self._closed_s
 
@@ -680,7 +686,7 @@ async def run_matchmaking(
                 io.cancel_scope.cancel()
     finally:
         stop.set()
-        mailbox.close(key)
+        mailbox.close(key, send_ch)
         if holding:
             assert hold is not None
             hold(0.0)
@@ -782,7 +788,7 @@ async def run_allreduce(
                     await runner.idle.wait()
                 io.cancel_scope.cancel()
     finally:
-        mailbox.close(key)
+        mailbox.close(key, send_ch)
         if traffic is not None:
             traffic.seconds = trio.current_time() - start
             traffic.bytes_sent = machine.bytes_sent
@@ -826,7 +832,7 @@ async def fetch_state(
                     if state is not None:
                         return state
     finally:
-        mailbox.close(key)
+        mailbox.close(key, send_ch)
     raise ExchangeTimeout(f"the state of fragment {fragment} from {peer} took over {timeout_s} s")
 
 
@@ -882,7 +888,7 @@ async def fetch_pieces(
                 return outcome
             nursery.cancel_scope.cancel()
     finally:
-        mailbox.close(key)
+        mailbox.close(key, send_ch)
     return sf.GaveUp(
         f"took over {timeout_s:g} s ({fetch.verified} of {fetch.count} pieces verified)"
     )
@@ -964,7 +970,7 @@ async def ask_attestations(
                 if kind == "msg" and isinstance(msg, AttestationReply):
                     return msg.seals
     finally:
-        mailbox.close(key)
+        mailbox.close(key, send_ch)
     raise ExchangeTimeout(
         f"the attestations of fragment {fragment} version {version} from {peer}"
         f" took over {timeout_s} s"

@@ -461,3 +461,27 @@ def test_a_join_request_for_a_slot_this_node_is_past_is_refused_at_once() -> Non
                 assert box.held_by("late")[0] == 1
 
     _run(main)
+
+
+def test_an_earlier_attempt_closing_a_key_does_not_cut_off_a_later_one() -> None:
+    """A group formed ahead of a sync is let go while the sync's own matchmaking of the
+    same slot has already opened the key: the earlier attempt's close (it runs as its
+    task unwinds) leaves the later one's channel in place; the later one's own close
+    does close the key."""
+
+    async def main() -> None:
+        box = _mailbox()
+        first, first_recv = trio.open_memory_channel[Any](10)
+        later, later_recv = trio.open_memory_channel[Any](10)
+        box.open(MM_KEY, first)
+        box.open(MM_KEY, later)
+        box.close(MM_KEY, first)
+        async with trio.open_nursery() as nursery:
+            j = _join()
+            box.route("peer-a", j, nursery)
+            assert _drain(later_recv) == [("msg", j)] and _drain(first_recv) == []
+            box.close(MM_KEY, later)
+            box.route("peer-a", _join(), nursery)
+            assert _drain(later_recv) == [] and box.held_by("peer-a")[0] == 1
+
+    _run(main)
