@@ -198,7 +198,6 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.peer.peerstore import PeerStoreError
-from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -362,13 +361,7 @@ class _KadHost:
             reason = f"no DHT stream: {_describe(e)}"
             cause = e.__cause__
             logger.debug("%s: %s%s", peer, reason, f" ({_describe(cause)})" if cause else "")
-            if isinstance(e, StreamFailure) and isinstance(cause, MultiselectClientError):
-                # the peer reset the stream while the protocol was being chosen: it is
-                # there and talking (py-libp2p's yamux resets a few streams of a burst);
-                # noting it as silent would shrink the groups and drop its connections
-                self._liveness.heard(peer, trio.current_time())
-            else:
-                self._liveness.failed(peer, trio.current_time(), reason)
+            self._liveness.failed(peer, trio.current_time(), reason)
             raise
         self._liveness.heard(peer, trio.current_time())
         if self.on_dht_stream is not None:

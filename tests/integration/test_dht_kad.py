@@ -41,7 +41,6 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.host.basic_host import BasicHost
-from libp2p.host.exceptions import StreamFailure
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.routing_table import RoutingTable
 from libp2p.peer.id import ID
@@ -733,37 +732,6 @@ def test_the_routing_table_admits_no_peer_it_knows_nothing_about() -> None:
         return library, atoll, identified
 
     assert trio.run(body) == (True, False, True)
-
-
-@pytest.mark.timeout(120)
-def test_a_peer_that_refuses_a_dht_stream_is_heard_not_suspected() -> None:
-    """Two hosts on 127.0.0.1; the second serves no DHT protocol, so it answers the
-    first's negotiation with a refusal (as a peer's yamux that resets a stream of a burst
-    answers): the stream fails, but the peer is there and talking. The liveness hears it
-    rather than suspecting it (a suspected peer stops counting for group sizes, and one
-    suspected twice has its connections dropped). A peer that does not answer at all
-    (the second host gone) is suspected."""
-    from atoll.node.net.host import HostConfig, open_libp2p_host
-
-    async def body() -> None:
-        config = HostConfig(dial_timeout_s=10, hello_timeout_s=10, send_timeout_s=10)
-        liveness = Liveness()
-        async with open_libp2p_host(generate(), config) as a:
-            kad_host: Any = _KadHost(a, liveness, 3.0)
-            async with open_libp2p_host(generate(), config) as b:
-                b_id = b.get_id()
-                info = PeerInfo(b_id, b.get_transport_addrs())
-                with trio.fail_after(30):
-                    await a.connect(info)
-                    with pytest.raises(StreamFailure):
-                        await kad_host.new_stream(b_id, [DHT_PROTOCOL])
-                peer = str(b_id)
-                assert not liveness.silent(peer) and liveness.heard_at(peer) is not None
-            with trio.fail_after(30), pytest.raises(Exception):  # noqa: B017
-                await kad_host.new_stream(b_id, [DHT_PROTOCOL])
-            assert liveness.silent(peer)
-
-    trio.run(body)
 
 
 @pytest.mark.parametrize(
