@@ -58,6 +58,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+from atoll.node.net.faults import descendants
+
 log = logging.getLogger("bench.deadlines")
 
 CLI = [sys.executable, "-m", "atoll.node.cli"]
@@ -117,19 +119,6 @@ def _stamp(line: str) -> float | None:
         return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
     except ValueError:
         return None
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                kids = [int(k) for k in (task / "children").read_text().split()]
-                out += kids
-                todo += kids
-    return out
 
 
 def _wait(cond: Any, timeout_s: float, what: str) -> Any:
@@ -222,7 +211,7 @@ class Case:
         return p
 
     def kill(self, p: Proc) -> None:
-        for pid in _descendants(p.proc.pid):
+        for pid in descendants(p.proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         p.proc.kill()
@@ -233,7 +222,7 @@ class Case:
             if p.proc.poll() is None:
                 self.kill(p)
             else:  # a network process may outlive its trainer
-                for pid in _descendants(p.proc.pid):
+                for pid in descendants(p.proc.pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
         if self.boot is not None and self.boot.poll() is None:

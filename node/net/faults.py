@@ -16,14 +16,16 @@ the frozen process when it is done with it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 from atoll.protocol.errors import ConfigError
 
-__all__ = ["POINTS", "parse_fault"]
+__all__ = ["POINTS", "descendants", "parse_fault"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +77,19 @@ def parse_fault(spec: str) -> Callable[[int, int], Callable[[str], None] | None]
         return hook
 
     return for_round
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (its children, then theirs), read from Linux's
+    ``/proc``: a node frozen by ``stop:`` is its daemon's network child, and whoever ends
+    the run must kill the frozen process itself (a stopped process ignores SIGTERM)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                out += kids
+                todo += kids
+    return out

@@ -16,10 +16,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
+
+from atoll.node.net.faults import descendants
 
 CLI = [sys.executable, "-m", "atoll.node.cli"]
 
@@ -88,20 +89,6 @@ def test_a_peer_killed_mid_round_leaves_the_others_committed_identical_or_unchan
     swarm.agreeing_rounds(survivors)  # committed rounds hold identical bytes
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children first found, then theirs)."""
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                kids = [int(k) for k in (task / "children").read_text().split()]
-                out += kids
-                todo += kids
-    return out
-
-
 @pytest.mark.timeout(600)
 def test_a_peer_frozen_mid_round_costs_the_others_the_measured_deadline(local_swarm: Any) -> None:
     """The victim's network process freezes (SIGSTOP: its connections stay open and
@@ -139,7 +126,7 @@ def test_a_peer_frozen_mid_round_costs_the_others_the_measured_deadline(local_sw
 
         swarm.wait_until(past, 240, lambda: "\n".join(n.tail() for n in survivors))
     finally:
-        for pid in _descendants(victim.proc.pid):
+        for pid in descendants(victim.proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         victim.proc.kill()
