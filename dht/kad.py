@@ -198,6 +198,7 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.peer.peerstore import PeerStoreError
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -294,6 +295,19 @@ def _wire(protocol_id: TProtocol) -> TProtocol:
     return DHT_PROTOCOL if protocol_id == LIBRARY_PROTOCOL else protocol_id
 
 
+def _reset_after_hello(error: BaseException) -> bool:
+    """Whether ``error``, raised opening a stream, says that the peer answered the
+    stream's multistream hello and then reset it while the protocol was being chosen
+    (py-libp2p's client words it "protocol read failed"): only a live peer's process gets
+    that far. A failed hello (a dead connection, a killed process) is not such a reset."""
+    cause = error.__cause__
+    return (
+        isinstance(error, StreamFailure)
+        and isinstance(cause, MultiselectClientError)
+        and str(cause).startswith("protocol read failed")
+    )
+
+
 class _KadPeerstore:
     """The host's peerstore, except that ``get_protocols`` answers the routing table's one
     question, "is this peer an atoll DHT server?", and says no when it does not know."""
@@ -318,12 +332,15 @@ class _KadHost:
 
     Every stream of :data:`DHT_PROTOCOL` the library opens (a request of atoll's, a lookup
     query, a ping of the routing table) is bounded by ``rpc_timeout_s`` and tells
-    ``liveness`` how the peer did: opened, heard; refused, unreachable or timed out,
-    failed (a :class:`~libp2p.host.exceptions.StreamFailure` goes to the library, which
-    treats it as any failed stream). Opening a stream needs the peer's own answer (the
-    protocol negotiation), so an opened stream proves the peer's process answers. In a
-    lookup, a peer that failed and has not answered since
-    (:meth:`~atoll.protocol.liveness.Liveness.silent`) is refused at once. A stream of
+    ``liveness`` how the peer did: opened, heard; answered the stream's hello and then
+    reset it while the protocol was chosen, refused
+    (:meth:`~atoll.protocol.liveness.Liveness.refused`: skipped by the DHT for a while,
+    still live elsewhere); refused outright, unreachable or timed out, failed (a
+    :class:`~libp2p.host.exceptions.StreamFailure` goes to the library, which treats it as
+    any failed stream). Opening a stream needs the peer's own answer (the protocol
+    negotiation), so an opened stream proves the peer's process answers. In a lookup, a
+    peer the DHT skips now (:meth:`~atoll.protocol.liveness.Liveness.skipped`) is refused
+    at once. A stream of
     :data:`DHT_PROTOCOL` that a peer opens here marks it heard too.
 
     ``on_dht_stream`` hears of every peer that accepted a stream of :data:`DHT_PROTOCOL`.
@@ -348,7 +365,7 @@ class _KadHost:
         if DHT_PROTOCOL not in wire:
             return await self._host.new_stream(peer_id, wire)
         peer = str(peer_id)
-        if _IN_LOOKUP.get() and self._liveness.suspected(peer, trio.current_time()):
+        if _IN_LOOKUP.get() and self._liveness.skipped(peer, trio.current_time()):
             raise StreamFailure(f"peer {peer} is {_LEFT_OUT} for its hold")
         try:
             with trio.fail_after(self._rpc_timeout_s):
@@ -361,7 +378,14 @@ class _KadHost:
             reason = f"no DHT stream: {_describe(e)}"
             cause = e.__cause__
             logger.debug("%s: %s%s", peer, reason, f" ({_describe(cause)})" if cause else "")
-            self._liveness.failed(peer, trio.current_time(), reason)
+            if _reset_after_hello(e):
+                # the peer answered the stream's hello, then reset it while the protocol
+                # was being chosen: it is there and talking (py-libp2p's yamux resets a
+                # few streams of a burst), so the DHT skips it for a while, but groups
+                # and connections keep it
+                self._liveness.refused(peer, trio.current_time())
+            else:
+                self._liveness.failed(peer, trio.current_time(), reason)
             raise
         self._liveness.heard(peer, trio.current_time())
         if self.on_dht_stream is not None:
@@ -1300,8 +1324,12 @@ class AtollDHT:
         alike): an answer when a stream to the peer opened since ``since`` and nothing
         failed after (:class:`_KadHost` notes both), else no answer."""
         name = str(peer)
+        if self._liveness.silent(name):
+            return Reply(answered=False, reason="unreachable")
+        if self._liveness.refused_since(name, since):
+            return Reply(answered=False, refused=True, reason="reset the DHT stream")
         heard = self._liveness.heard_at(name)
-        if heard is not None and heard >= since and not self._liveness.silent(name):
+        if heard is not None and heard >= since:
             return Reply(None)
         return Reply(answered=False, reason="unreachable")
 
@@ -1437,7 +1465,7 @@ class AtollDHT:
         got: bytes | None = None
         if own:
             got = libp2p_internals.local_value(self._kad, key_bytes) or None
-        elif not self._liveness.suspected(peer, trio.current_time()):
+        elif not self._liveness.skipped(peer, trio.current_time()):
             got = await self._value_of(info.peer_id, key_bytes)
         record: Record | None = None
         if got is not None:

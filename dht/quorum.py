@@ -9,7 +9,8 @@ silent peer (a link that dropped without refusing anything) from holding up the 
 - every outcome goes to the node's :class:`~atoll.protocol.liveness.Liveness`: an answer
   is :meth:`~atoll.protocol.liveness.Liveness.heard`, a request that timed out, raised or
   came back unanswered (:attr:`Reply.answered` False) is
-  :meth:`~atoll.protocol.liveness.Liveness.failed`;
+  :meth:`~atoll.protocol.liveness.Liveness.failed`, one the peer reset before it was
+  under way (:attr:`Reply.refused`) is :meth:`~atoll.protocol.liveness.Liveness.refused`;
 - :func:`ask` returns once every peer is done, or once ``need`` replies counted
   (:attr:`Reply.value` not None) and ``grace_s`` more have passed (or every peer is done
   before that), or at ``deadline``, whichever comes first. Requests still under way then
@@ -55,6 +56,9 @@ class Reply(Generic[T]):
     noted as failed"""
     reason: str = ""
     """why there was no answer, for the liveness record and the logs"""
+    refused: bool = False
+    """with ``answered`` False: the peer reset the request before it was under way; it
+    is talking, so it is skipped by the DHT for a while but not suspected"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +103,10 @@ def majority(asked: int) -> int:
 def skip_suspected(
     peers: Sequence[P], liveness: Liveness, now: float, *, name: Callable[[P], str] = str
 ) -> list[P]:
-    """``peers`` without the suspected ones (in order), or all of them when every one is
-    suspected: better a probe than asking nobody."""
-    live = [p for p in peers if not liveness.suspected(name(p), now)]
+    """``peers`` without the ones the DHT skips now (suspected, or refusing requests: see
+    :meth:`~atoll.protocol.liveness.Liveness.skipped`), in order, or all of them when every
+    one is skipped: better a probe than asking nobody."""
+    live = [p for p in peers if not liveness.skipped(name(p), now)]
     return live if live else list(peers)
 
 
@@ -160,6 +165,8 @@ async def ask(
         now = trio.current_time()
         if reply.answered:
             liveness.heard(name(peer), now)
+        elif reply.refused:
+            liveness.refused(name(peer), now)
         else:
             liveness.failed(name(peer), now, reply.reason or "no answer")
         if progress.closed:

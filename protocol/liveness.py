@@ -18,6 +18,13 @@ share (one timed-out request), not every later request of the swarm:
   A peer comes back as soon as it answers, or as soon as a message of its own arrives.
   Until then it stays *silent* (:meth:`Liveness.silent`): requests may reach it again,
   but it does not count toward group sizes and majorities.
+- :meth:`Liveness.refused`: the peer reset a DHT request while its protocol was being
+  chosen. The peer is there and talking (py-libp2p's yamux resets a few streams of a
+  burst between live peers), so it is neither suspected nor silent: it keeps counting
+  for groups and keeps its connections. But a request to it brought nothing, so the DHT
+  *skips* it (:meth:`Liveness.skipped`) for a hold of its own, doubled at each refusal in
+  a row: a peer whose streams keep resetting costs the DHT's quorums nothing, and a peer
+  that reset one stream of a burst counts as live everywhere else.
 
 One object is shared by the DHT and the round drivers of a node. Time is passed in (any
 monotonic clock, seconds); nothing here reads a clock or does IO.
@@ -40,6 +47,9 @@ class _Peer:
     failures: int = 0
     until: float = -math.inf
     reason: str = ""
+    refusals: int = 0
+    refused_at: float | None = None
+    skip_until: float = -math.inf
 
 
 class Liveness:
@@ -61,6 +71,8 @@ class Liveness:
         heals)"""
         self.suspicions = 0
         """how many times a peer became suspected (for status and benchmarks)"""
+        self.skips = 0
+        """how many times a refusal made the DHT skip a peer (for status and benchmarks)"""
 
     def heard(self, peer: str, now: float) -> None:
         """``peer`` answered, or sent us something: it is live."""
@@ -69,6 +81,8 @@ class Liveness:
         p.failures = 0
         p.until = -math.inf
         p.reason = ""
+        if now >= p.skip_until:  # an answer after the skip's hold ends the run of refusals
+            p.refusals = 0
 
     def failed(self, peer: str, now: float, reason: str = "no answer") -> None:
         """A request to ``peer`` timed out or failed: suspect it for a while.
@@ -86,6 +100,32 @@ class Liveness:
         self.suspicions += 1
         if self.on_suspect is not None:
             self.on_suspect(peer, p.failures)
+
+    def refused(self, peer: str, now: float) -> None:
+        """``peer`` reset a DHT request before it was under way: skip it in the DHT for a
+        while, without suspecting it (see the module docstring).
+
+        The hold doubles with each refusal in a row (an answer once the hold has passed
+        ends the row); a refusal within the hold does not extend it.
+        """
+        p = self._peers.setdefault(peer, _Peer())
+        p.refused_at = now
+        if now < p.skip_until:
+            return
+        p.skip_until = now + min(self.max_hold_s, self.hold_s * 2 ** min(p.refusals, 30))
+        p.refusals += 1
+        self.skips += 1
+
+    def refused_since(self, peer: str, since: float) -> bool:
+        """Whether ``peer`` refused a request at or after ``since``."""
+        p = self._peers.get(peer)
+        return p is not None and p.refused_at is not None and p.refused_at >= since
+
+    def skipped(self, peer: str, now: float) -> bool:
+        """Whether the DHT is to leave ``peer`` out now: it is suspected, or it refused a
+        request and the skip's hold has not passed."""
+        p = self._peers.get(peer)
+        return p is not None and (now < p.until or now < p.skip_until)
 
     def suspected(self, peer: str, now: float) -> bool:
         """Whether ``peer`` is to be skipped now (it failed, and its hold has not passed)."""

@@ -734,6 +734,50 @@ def test_the_routing_table_admits_no_peer_it_knows_nothing_about() -> None:
     assert trio.run(body) == (True, False, True)
 
 
+@pytest.mark.timeout(120)
+def test_a_peer_that_resets_a_dht_stream_after_its_hello_is_skipped_not_suspected() -> None:
+    """Two hosts on 127.0.0.1; the second answers a stream's multistream hello and then
+    resets the stream while the protocol is chosen, as a live peer's yamux resets a
+    stream of a burst. The peer is talking: the DHT skips it for a while, but it is
+    neither suspected nor silent (groups keep counting it, its connections stay). Once the
+    second host is gone, a stream fails outright and the peer is silent."""
+    from libp2p.host.exceptions import StreamFailure
+    from libp2p.protocol_muxer.exceptions import MultiselectError
+
+    from atoll.node.net.host import open_libp2p_host
+
+    async def body() -> None:
+        config = HostConfig(dial_timeout_s=10, hello_timeout_s=10, send_timeout_s=10)
+        liveness = Liveness()
+        async with open_libp2p_host(generate(), config) as a:
+            kad_host: Any = _KadHost(a, liveness, 3.0)
+            async with open_libp2p_host(generate(), config) as b:
+                selector = b.get_mux()
+
+                async def reset_after_hello(communicator: Any, timeout: int = 5) -> Any:
+                    await selector.handshake(communicator)
+                    await communicator.read()  # the protocol asked for: refused by a reset
+                    raise MultiselectError("reset while the protocol is chosen")
+
+                selector.negotiate = reset_after_hello
+                b_id = b.get_id()
+                peer = str(b_id)
+                with trio.fail_after(30):
+                    await a.connect(PeerInfo(b_id, b.get_transport_addrs()))
+                    with pytest.raises(StreamFailure):
+                        await kad_host.new_stream(b_id, [DHT_PROTOCOL])
+                now = trio.current_time()
+                assert liveness.skipped(peer, now)
+                assert not liveness.suspected(peer, now) and not liveness.silent(peer)
+                assert liveness.suspicions == 0 and liveness.skips == 1
+                assert b_id in a.get_connected_peers()
+            with trio.fail_after(30), pytest.raises(Exception):  # noqa: B017
+                await kad_host.new_stream(b_id, [DHT_PROTOCOL])
+            assert liveness.silent(peer)
+
+    trio.run(body)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

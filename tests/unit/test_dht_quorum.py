@@ -25,8 +25,8 @@ RPC_S = 3.0
 
 @dataclass(frozen=True)
 class Peer:
-    """A fake peer: after ``delay_s`` it does ``kind`` (answer, nothing, fail, raise,
-    hang) with ``value``."""
+    """A fake peer: after ``delay_s`` it does ``kind`` (answer, nothing, fail, reset,
+    raise, hang) with ``value``."""
 
     kind: str
     delay_s: float = 0.01
@@ -43,6 +43,8 @@ def calls(peers: dict[str, Peer]) -> Callable[[str], Awaitable[Reply[Any]]]:
             return Reply(None)
         if peer.kind == "fail":
             return Reply(answered=False, reason="connection refused")
+        if peer.kind == "reset":
+            return Reply(answered=False, refused=True, reason="reset the stream")
         if peer.kind == "raise":
             raise OSError("the stream broke")
         await trio.sleep_forever()
@@ -178,6 +180,59 @@ def test_a_probe_after_the_hold_brings_the_peer_back() -> None:
     was_suspected, still, reached = run(body)
     assert (was_suspected, still, reached) == (False, False, True)
     assert not liveness.silent("s")
+
+
+def test_a_peer_that_resets_requests_is_skipped_by_the_dht_but_stays_live() -> None:
+    """A reset is no answer for the tally, and the DHT skips the peer for a hold that
+    doubles while the resets go on; but the peer is talking, so it is neither suspected
+    nor silent (groups count it, its connections stay), and an answer after the hold ends
+    the row."""
+    peers = {"a": Peer("answer"), "b": Peer("answer", 0.02), "r": Peer("reset")}
+    liveness = Liveness(hold_s=5.0, max_hold_s=20.0)
+    dropped: list[str] = []
+    liveness.on_suspect = lambda peer, _n: dropped.append(peer)
+
+    async def body() -> list[Any]:
+        seen: list[Any] = []
+        tally, _ = await ask_all(peers, liveness, need=3)
+        now = trio.current_time()
+        seen.append((tally.failed, tally.reached, liveness.skipped("r", now)))
+        seen.append(skip_suspected(list(peers), liveness, now))
+        await trio.sleep(5.0)  # the first hold has passed: asked again, reset again
+        seen.append(skip_suspected(list(peers), liveness, trio.current_time()))
+        await ask_all({"r": peers["r"]}, liveness, need=1)
+        await trio.sleep(9.0)  # the second hold is 10 s
+        seen.append(liveness.skipped("r", trio.current_time()))
+        await trio.sleep(1.1)
+        peers["r"] = Peer("answer")
+        tally, _ = await ask_all({"r": peers["r"]}, liveness, need=1)
+        seen.append((tally.reached, liveness.skipped("r", trio.current_time())))
+        peers["r"] = Peer("reset")
+        await ask_all({"r": peers["r"]}, liveness, need=1)
+        t = trio.current_time()
+        seen.append((liveness.skipped("r", t + 4.9), liveness.skipped("r", t + 5.1)))
+        return seen
+
+    first, after, later, in_second_hold, back, fresh_row = run(body)
+    assert first == (("r",), False, True)
+    assert after == ["a", "b"] and later == ["a", "b", "r"]
+    assert in_second_hold is True
+    assert back == (True, False)
+    assert fresh_row == (True, False)  # the answer ended the row: the hold is 5 s again
+    assert not liveness.suspected("r", 0.0) and not liveness.silent("r")
+    assert liveness.suspicions == 0 and dropped == [] and liveness.skips == 3
+
+
+def test_a_silent_peer_that_also_resets_stays_silent() -> None:
+    """A refusal proves nothing about a peer that failed since it was last heard: it stays
+    silent (and suspected for its hold) until it answers."""
+    liveness = Liveness()
+    liveness.failed("s", 0.0)
+    liveness.refused("s", 1.0)
+    assert liveness.silent("s") and liveness.suspected("s", 1.0) and liveness.skipped("s", 1.0)
+    assert liveness.refused_since("s", 1.0) and not liveness.refused_since("s", 1.5)
+    liveness.heard("s", 7.0)
+    assert not liveness.silent("s") and not liveness.skipped("s", 7.0)
 
 
 # -- reads: the quorum, then a grace ------------------------------------------------------------
