@@ -4,9 +4,9 @@ deadlines against the manifest's fixed ones.
 
 Each case runs a bootstrap peer and three ``atoll node`` processes on 127.0.0.1 (the
 tiny model, one torch thread each, syncs every 10 steps, two fragments). The victim's
-network process freezes with SIGSTOP (``ATOLL_FAULT=stop:POINT:0:SLOT``: its
+network process freezes with SIGSTOP (``ATOLL_FAULT=stop:POINT:0:SLOT:3``: its
 connections stay open and nothing answers, as over a link that went silent) in fragment
-0's first round at or after ``--slot``, at ``POINT``:
+0's first round of all three nodes at or after ``--slot``, at ``POINT``:
 
 - ``start``: before it sends any part. The survivors miss its parts: the *phase*
   deadline runs out.
@@ -85,7 +85,7 @@ part_s = {part_s}
 round_s = {round_s}
 apply_wait_s = 3.0
 """
-FROZE = re.compile(r"fault injection: fragment 0 slot (\d+): freezing")
+FROZE = re.compile(r"fault injection: fragment 0 slot (\d+) \(\d+ members\): freezing")
 RAN_OUT = re.compile(r"measured deadline \(([\d.]+) s phase, ([\d.]+) s round\)")
 
 
@@ -233,7 +233,7 @@ class Case:
         args = self.args
         addr = self.start_bootstrap()
         survivors = [self.start_node(f"n{i}", addr, args.steps, {}) for i in range(2)]
-        spec = f"stop:{self.point}:0:{args.slot}"
+        spec = f"stop:{self.point}:0:{args.slot}:3"  # a round the survivors are in
         victim = self.start_node("victim", addr, 100_000, {"ATOLL_FAULT": spec})
 
         def froze() -> re.Match[str] | None:

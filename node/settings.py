@@ -246,9 +246,10 @@ class NodeConfig:
     """this node's member certificate (atoll org issue), for a run whose manifest names an
     organisation key"""
     fault: str = ""
-    """fault injection for tests (kill:POINT:FRAGMENT:SLOT or stop:..., usually from
-    ATOLL_FAULT): the network process kills itself (or freezes with SIGSTOP) at that point
-    of that fragment's first round at or after SLOT; no command-line flag"""
+    """fault injection for tests (kill:POINT:FRAGMENT:SLOT[:MEMBERS] or stop:..., usually
+    from ATOLL_FAULT): the network process kills itself (or freezes with SIGSTOP) at that
+    point of that fragment's first round at or after SLOT (of at least MEMBERS members);
+    no command-line flag"""
     attack: str = ""
     """attack injection for benchmarks and tests (nan, huge, signflip, scaled:K, noise,
     alie, weight:K, stale, forge, equivocate; usually from ATOLL_ATTACK): this node lies

@@ -7,10 +7,12 @@ the all-reduce of that fragment's first round at or after ``SLOT`` reaches ``POI
 ``start`` (before its first part goes out), ``part_sent`` (one part written) or
 ``parts_sent`` (every part written). A node runs no all-reduce at a slot it spends alone
 or rebasing, so the first round it runs is the one that counts; the warning it logs
-names the slot. The integration tests use it to check that the survivors of a round
-fail it whole. ``stop:POINT:FRAGMENT:SLOT`` freezes the process with SIGSTOP instead: its
-connections stay open and its kernel still acknowledges what arrives, but nothing
-answers, as with a peer whose link went silent (the test or benchmark that set it kills
+names the slot. A fifth field, ``ACTION:POINT:FRAGMENT:SLOT:MEMBERS``, reaches only a
+round of at least ``MEMBERS`` members (a benchmark that must freeze a round the other
+nodes are in asks for all of them). The integration tests use it to check that the
+survivors of a round fail it whole. ``stop:...`` freezes the process with SIGSTOP
+instead: its connections stay open and its kernel still acknowledges what arrives, but
+nothing answers, as with a peer whose link went silent (the test or benchmark that set it kills
 the frozen process when it is done with it).
 """
 
@@ -33,40 +35,46 @@ POINTS = ("start", "part_sent", "parts_sent")
 ACTIONS = {"kill": ("killing", signal.SIGKILL), "stop": ("freezing (SIGSTOP)", signal.SIGSTOP)}
 
 
-def parse_fault(spec: str) -> Callable[[int, int], Callable[[str], None] | None] | None:
+def parse_fault(
+    spec: str,
+) -> Callable[[int, int, int], Callable[[str], None] | None] | None:
     """The fault hook of ``spec`` (None for an empty spec); ConfigError when malformed.
 
-    The hook maps ``(fragment, slot)`` to the round's checkpoint callback, or None for the
-    rounds the spec does not reach (another fragment, an earlier slot).
+    The hook maps ``(fragment, slot, members)`` to the round's checkpoint callback, or None
+    for the rounds the spec does not reach (another fragment, an earlier slot, a smaller
+    group).
     """
     if not spec:
         return None
     parts = spec.split(":")
-    if len(parts) != 4 or parts[0] not in ACTIONS or parts[1] not in POINTS:
+    if len(parts) not in (4, 5) or parts[0] not in ACTIONS or parts[1] not in POINTS:
         raise ConfigError(
-            f"fault must be ACTION:POINT:FRAGMENT:SLOT with ACTION in {tuple(ACTIONS)} and "
-            f"POINT in {POINTS}"
+            f"fault must be ACTION:POINT:FRAGMENT:SLOT[:MEMBERS] with ACTION in"
+            f" {tuple(ACTIONS)} and POINT in {POINTS}"
         )
     try:
         fragment, slot = int(parts[2]), int(parts[3])
+        least = int(parts[4]) if len(parts) == 5 else 0
     except ValueError:
-        raise ConfigError(f"fault {spec!r}: FRAGMENT and SLOT must be integers") from None
+        raise ConfigError(f"fault {spec!r}: FRAGMENT, SLOT and MEMBERS must be integers") from None
     point = parts[1]
     doing, sig = ACTIONS[parts[0]]
 
     fired: list[int] = []  # a process continued after a stop is not stopped again
 
-    def for_round(p: int, s: int) -> Callable[[str], None] | None:
-        if p != fragment or s < slot or fired:
+    def for_round(p: int, s: int, members: int) -> Callable[[str], None] | None:
+        if p != fragment or s < slot or members < least or fired:
             return None
 
         def hook(at: str) -> None:
             if at == point and not fired:
                 fired.append(s)
                 logger.warning(
-                    "fault injection: fragment %d slot %d: %s the network process at %s",
+                    "fault injection: fragment %d slot %d (%d members): %s the network"
+                    " process at %s",
                     p,
                     s,
+                    members,
                     doing,
                     at,
                 )

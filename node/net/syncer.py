@@ -166,8 +166,8 @@ MAX_SOURCES = 2
 Attested = Callable[[int, int, str], bytes | None]
 """``(fragment, version, digest) -> this node's sealed attestation of it, or None``."""
 
-FaultHook = Callable[[int, int], Callable[[str], None] | None]
-"""``(fragment, slot) -> checkpoint or None``: fault injection for a round (tests)."""
+FaultHook = Callable[[int, int, int], Callable[[str], None] | None]
+"""``(fragment, slot, members) -> checkpoint or None``: fault injection for a round (tests)."""
 
 
 def answer_bound(timeouts: Timeouts) -> float:
@@ -647,7 +647,7 @@ class Syncer:
                     phase_timeout_s=phase_s,
                     round_timeout_s=round_s,
                     traffic=traffic,
-                    checkpoint=self._checkpoint(action.spec.key.fragment, action.spec.key.round),
+                    checkpoint=self._checkpoint(action.spec),
                     background=self.background,
                     liveness=self.peers.liveness,
                     signer=self.signer,
@@ -989,8 +989,10 @@ class Syncer:
                 live[peer] = (peer, v, d)
         return list(live.values())
 
-    def _checkpoint(self, p: int, slot: int) -> Callable[[str], None] | None:
-        return self.fault(p, slot) if self.fault is not None else None
+    def _checkpoint(self, spec: ar.RoundSpec) -> Callable[[str], None] | None:
+        if self.fault is None:
+            return None
+        return self.fault(spec.key.fragment, spec.key.round, len(spec.members))
 
     def _log_slot(
         self, action: fs.Action, machine: fs.FragmentSync, seen: dict[str, tuple[int, str]]

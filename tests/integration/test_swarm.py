@@ -65,7 +65,9 @@ def test_a_peer_killed_mid_round_leaves_the_others_committed_identical_or_unchan
     )
     assert victim.wait(180) != 0  # its trainer reports the dead network process
     assert "network process died" in victim.stderr()
-    died = re.search(r"fault injection: fragment 0 slot (\d+): killing", victim.stderr())
+    died = re.search(
+        r"fault injection: fragment 0 slot (\d+) \(\d+ members\): killing", victim.stderr()
+    )
     assert died is not None, victim.tail()
     slot = int(died.group(1))
     for node in survivors:
@@ -105,13 +107,15 @@ def test_a_peer_frozen_mid_round_costs_the_others_the_measured_deadline(local_sw
     # at slot 6 can come late, and survivors that stopped at a fixed step would be gone
     survivors = [swarm.start_node(f"n{i}", run, steps=100_000, wait_peers=2) for i in range(2)]
     victim = swarm.start_node(
-        "victim", run, steps=100_000, wait_peers=2, env={"ATOLL_FAULT": "stop:parts_sent:0:6"}
+        "victim", run, steps=100_000, wait_peers=2, env={"ATOLL_FAULT": "stop:parts_sent:0:6:3"}
     )
     try:
 
         def frozen() -> re.Match[str] | None:
             assert victim.proc.poll() is None, victim.tail()
-            return re.search(r"fault injection: fragment 0 slot (\d+): freezing", victim.stderr())
+            return re.search(
+                r"fault injection: fragment 0 slot (\d+) \(\d+ members\): freezing", victim.stderr()
+            )
 
         def why() -> str:  # fragment 0's story at the victim, and where the others are
             lines = [x for x in victim.stderr().splitlines() if "fragment 0" in x]

@@ -16,7 +16,16 @@ from atoll.protocol.errors import ConfigError
 
 
 @pytest.mark.parametrize(
-    "spec", ["kill", "kill:start:0", "pause:start:0:1", "kill:middle:0:1", "stop:start:a:1"]
+    "spec",
+    [
+        "kill",
+        "kill:start:0",
+        "pause:start:0:1",
+        "kill:middle:0:1",
+        "stop:start:a:1",
+        "stop:start:0:1:x",
+        "stop:start:0:1:3:4",
+    ],
 )
 def test_a_malformed_spec_says_what_is_expected(spec: str) -> None:
     with pytest.raises(ConfigError, match="fault"):
@@ -27,16 +36,23 @@ def test_the_hook_reaches_the_fragments_rounds_from_the_slot_on() -> None:
     assert parse_fault("") is None
     hook = parse_fault("stop:parts_sent:1:3")
     assert hook is not None
-    assert hook(0, 5) is None  # another fragment
-    assert hook(1, 2) is None  # an earlier slot
-    assert hook(1, 3) is not None and hook(1, 7) is not None
+    assert hook(0, 5, 2) is None  # another fragment
+    assert hook(1, 2, 2) is None  # an earlier slot
+    assert hook(1, 3, 2) is not None and hook(1, 7, 2) is not None
+
+
+def test_a_member_count_reaches_only_rounds_that_large() -> None:
+    hook = parse_fault("stop:start:0:6:3")
+    assert hook is not None
+    assert hook(0, 6, 2) is None and hook(0, 9, 2) is None  # pairs: not reached
+    assert hook(0, 7, 3) is not None and hook(0, 8, 4) is not None
 
 
 SCRIPT = """
 import logging, sys
 from atoll.node.net.faults import parse_fault
 logging.basicConfig(level=logging.WARNING)
-hook = parse_fault(sys.argv[1])(0, 4)
+hook = parse_fault(sys.argv[1])(0, 4, 3)
 hook("start")          # not its point: nothing happens
 print("before", flush=True)
 hook("part_sent")
@@ -68,7 +84,8 @@ def test_a_process_kills_or_freezes_itself_at_its_point(action: str) -> None:
             proc.kill()
             out, err = proc.communicate(timeout=60)
         assert out == "before\n"
-        assert f"fragment 0 slot 4: {'killing' if action == 'kill' else 'freezing'}" in err
+        doing = "killing" if action == "kill" else "freezing"
+        assert f"fragment 0 slot 4 (3 members): {doing}" in err
     finally:
         if proc.poll() is None:
             proc.kill()
