@@ -125,6 +125,7 @@ __all__ = [
     "RunRound",
     "SyncDone",
     "Tamper",
+    "fall_back",
     "holdings_of",
     "weight_cap",
 ]
@@ -647,6 +648,22 @@ class FragmentSync:
             swarm_step=self._swarm_step,
         )
         return self._done
+
+
+def fall_back(
+    engine: OuterEngine, fragment: int, before: ss.FragmentState, committed: tuple[int, str]
+) -> bool:
+    """Put ``fragment`` back to ``before``, its state ahead of a committed round whose
+    certificate nobody can complete (a member went silent before attesting it), when the
+    engine still holds that round's ``committed`` (version, digest); whether it did.
+
+    The round then counts as failed for this node: it meets its peers at the earlier
+    slot again (the driver decides when: :meth:`~atoll.node.net.syncer.Syncer.settle`).
+    """
+    if (engine.version(fragment), engine.digest(fragment)) != committed:
+        return False
+    engine.import_fragment(fragment, before)
+    return True
 
 
 def weight_cap(H: int, tokens_per_step: int) -> float:

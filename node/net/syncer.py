@@ -38,6 +38,20 @@ it checked (:meth:`Syncer.serve_request`). After a committed round the machine's
 attestation goes to ``attest`` (the node seals and publishes it,
 :class:`~atoll.node.net.publisher.AttestationPublisher`).
 
+A version nobody can follow. A committed state needs the attestations of at least the
+group quorum of its round's members before anyone else believes it. When a member goes
+silent between the commit and its attestation (a pair's other member froze, say), the
+others of its round may be too few to sign, and the rest of the swarm, one version
+behind, can neither follow this node nor meet it at its slot. So after a committed round
+of a group with no spare signer (no more members than the quorum: a pair, mostly), the
+syncer keeps the state from before the round (:class:`_Unsure`: a second copy of one
+fragment's state) until the new state is certified or replaced. Once it has gone
+uncertified for :data:`FALL_BACK_AFTER_S`, its members are asked for their attestations;
+when those that answer are fewer than the quorum needs, the fragment falls back to the
+kept state (:meth:`Syncer.settle`): the round is as if it had failed, and this node meets
+the others at the earlier slot again. The trainer keeps what it learned; only the
+shared global copy goes back.
+
 Strikes and bans. With :attr:`Syncer.strikes` (the node's
 :class:`~atoll.protocol.strikes.Strikes`), a round that failed naming a culprit strikes it
 (``part``, or ``equivocation`` when the round says so; also a peer whose own abort
@@ -75,6 +89,7 @@ clock. It also answers peers' state requests (:meth:`Syncer.serve_request`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -152,6 +167,12 @@ READY_TTL_SLACK_S = 10.0
 Offload = Callable[..., Awaitable[Any]]
 """``await offload(fn, *args)`` runs ``fn(*args)`` off the event loop and returns its result."""
 
+FALL_BACK_AFTER_S = 10.0
+"""How long this node's committed state of a fragment may go uncertified, while fewer of
+its round's members than the quorum still answer, before the fragment falls back to the
+state before the round (a member's attestation goes out within a second or two of the
+commit, so a state still uncertified this long after has lost a signer)"""
+
 MAX_ASKED = 4
 """Most peers asked directly for the attestations of one state per lookup."""
 
@@ -193,6 +214,18 @@ class SyncReport:
     """set when an all-reduce ran"""
     ahead: bool = False
     """its group was formed ahead of the sync (:meth:`Syncer.prepare`)"""
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsure:
+    """A fragment's committed state that is not certified yet, and the state before it."""
+
+    attestation: Attestation
+    """this node's attestation of the committed state (version, digest, members)"""
+    before: ss.FragmentState
+    """the fragment's state before the round, to fall back to"""
+    since: float
+    """when the round committed (trio's clock)"""
 
 
 @dataclass(slots=True)
@@ -312,6 +345,10 @@ class Syncer:
         """fragment -> its matchmaking run ahead of its next sync (:meth:`prepare`)"""
         self._syncing: set[int] = set()
         """fragments with a sync in flight"""
+        self._unsure: dict[int, _Unsure] = {}
+        """fragment -> its committed state not yet certified, and the state before it"""
+        self.fallbacks = 0
+        """how many times a fragment fell back from a state nobody could certify"""
 
     async def engine_call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (engine work) in a thread under :attr:`lock`."""
@@ -356,7 +393,10 @@ class Syncer:
         this node's choice, in the board and from the peers that declare them (see the
         module docstring); returns this node's own state. ``within``: give up on what is
         not found by then (a sync must not start late for it: the background watch,
-        :mod:`atoll.node.net.certwatch`, keeps looking)."""
+        :mod:`atoll.node.net.certwatch`, keeps looking). Outside a sync, first settles
+        this node's own uncertified state (:meth:`settle`)."""
+        if p not in self._syncing:
+            await self.settle(p)
         mine = await self.engine_call(self._mine, p)
         beliefs = self.peers.beliefs
         if beliefs is None:
@@ -384,6 +424,79 @@ class Syncer:
         with trio.move_on_after(within):
             await done.wait()
         return mine
+
+    async def settle(self, p: int) -> bool:
+        """Fall back from fragment ``p``'s committed state when nobody can certify it (see
+        the module docstring); whether it fell back. Forgets the kept state once the
+        committed one is believed or replaced."""
+        unsure = self._unsure.get(p)
+        beliefs = self.peers.beliefs
+        if unsure is None or beliefs is None:
+            return False
+        att = unsure.attestation
+        state = (att.version, att.digest)
+        mine = await self.engine_call(self._mine, p)
+        if mine != state or beliefs.believes(p, *state):
+            self._unsure.pop(p, None)
+            return False
+        now = trio.current_time()
+        if now - unsure.since < FALL_BACK_AFTER_S or p in self._syncing or p in self._ahead:
+            return False
+        # its members are asked for their attestations (and the board looked at): one
+        # that does not answer within the bound cannot sign it either
+        own = self.attested(p, *state) if self.attested is not None else None
+        seals = [own] if own is not None else []
+        bound = answer_bound(self.timeouts)
+        await self._certify_state(p, *state, self._signers(att), bound, seals)
+        if beliefs.believes(p, *state):
+            self._unsure.pop(p, None)
+            return False
+        if len(self._signers(att)) + 1 >= beliefs.quorum:
+            return False  # enough of the round's members answer: their attestations may come
+        if p in self._syncing or p in self._ahead:  # began meanwhile: at the next turn
+            return False
+        fell = await self.engine_call(self._fall_back, p, unsure)
+        self._unsure.pop(p, None)
+        return fell
+
+    def _signers(self, att: Attestation) -> list[str]:
+        """The members of ``att``'s round other than this node that may still sign it:
+        neither silent nor left an attestation request unanswered lately."""
+        me = self.transport.peer_id
+        liveness = self.peers.liveness
+        now = trio.current_time()
+        return [
+            m
+            for m in att.members
+            if m != me and not liveness.silent(m) and self._unanswered.get(m, -math.inf) <= now
+        ]
+
+    def _fall_back(self, p: int, unsure: _Unsure) -> bool:
+        """Put fragment ``p`` back to the state before its uncertified round (engine
+        lock held), unless it changed meanwhile."""
+        att = unsure.attestation
+        if not fs.fall_back(self.engine, p, unsure.before, (att.version, att.digest)):
+            return False
+        self.fallbacks += 1
+        logger.warning(
+            "fragment %d: version %d (%s) is still uncertified %.0f s after its round, and"
+            " too few of its members answer to sign it (%s): back to version %d",
+            p,
+            att.version,
+            att.digest[:12],
+            trio.current_time() - unsure.since,
+            ", ".join(m for m in att.members if m != self.transport.peer_id) or "none",
+            unsure.before.version,
+        )
+        if self.on_change is not None:
+            self.on_change(p, "fall back")
+        return True
+
+    def _kept(self, p: int) -> ss.FragmentState:
+        """A copy of fragment ``p``'s state that later rounds do not change (engine lock
+        held)."""
+        state = self.engine.export_fragment(p, self.step)
+        return dataclasses.replace(state, momentum=state.momentum.copy())
 
     def _certify_soon(self, p: int, holdings: list[fs.Holding], mine: tuple[int, str]) -> None:
         """Look up, in the background, the certificates of the states in ``holdings``
@@ -440,13 +553,20 @@ class Syncer:
         return holders[:MAX_ASKED]
 
     async def _certify_state(
-        self, p: int, version: int, digest: str, holders: list[str], bound: float
+        self,
+        p: int,
+        version: int,
+        digest: str,
+        holders: list[str],
+        bound: float,
+        seals: Sequence[bytes] = (),
     ) -> None:
-        """The board's and ``holders``' attestations of one state, offered to the beliefs
-        as they come; the rest are called off once a certificate is found."""
+        """The board's and ``holders``' attestations of one state (with ``seals``, held
+        already), offered to the beliefs as they come; the rest are called off once a
+        certificate is found."""
         beliefs = self.peers.beliefs
         assert beliefs is not None
-        seals: list[bytes] = []
+        seals = list(seals)
 
         def got(more: Sequence[bytes]) -> None:
             seals.extend(more)
@@ -522,6 +642,7 @@ class Syncer:
         self.step = max(self.step, step)
         machine = self._machine(p)
         report = SyncReport(fs.SyncDone(p, step, False, -1, "", "none"), 0.0)
+        await self.settle(p)
         self._syncing.add(p)
         ahead = self._ahead.pop(p, None)
         try:
@@ -660,7 +781,19 @@ class Syncer:
                 if isinstance(result, ar.Failed) and self.strikes is not None:
                     self._strike(action.spec.key, result)
                 holdings = await self._holdings(machine.fragment, seen)
+                before = None
+                beliefs = self.peers.beliefs
+                if (
+                    isinstance(result, ar.Done)
+                    and beliefs is not None
+                    and len(action.spec.members) <= beliefs.quorum
+                ):  # no spare signer: one member lost before it attests leaves no certificate
+                    before = await self.engine_call(self._kept, machine.fragment)
                 action = await self.engine_call(machine.reduced, result, holdings)
+                if before is not None and machine.attestation is not None:
+                    self._unsure[machine.fragment] = _Unsure(
+                        machine.attestation, before, trio.current_time()
+                    )
                 self._log_slot(action, machine, seen)
             else:
                 action = await self._fetch(machine, action)

@@ -468,3 +468,30 @@ def test_the_weight_cap_clips_this_peers_weight_and_rides_in_the_spec() -> None:
     assert run.weight == 100.0 and run.spec.weight_cap == 100.0
     assert fs.weight_cap(30, 1024) == (fs.MAX_STALENESS + 1) * 30 * 1024
     assert fs.weight_cap(30, 0) == float("inf")
+
+
+# --------------------------------------------------------------------------------------
+# falling back from a state nobody can certify
+# --------------------------------------------------------------------------------------
+def _applied_pair_round(engine: OuterEngine, value: float) -> None:
+    sync = _sync(engine)
+    sync.begin(_local(value), 3)
+    sync.plan([], wall_now=0.0)
+    sync.matched(_formed("leader", ME))
+    assert isinstance(sync.reduced(ar.Done(np.full(N, value, np.float32))), fs.SyncDone)
+
+
+def test_fall_back_restores_the_state_before_the_round_only_while_it_is_held() -> None:
+    engine = _engine()
+    before = engine.export_fragment(0)
+    start = (engine.version(0), engine.digest(0))
+    _applied_pair_round(engine, 0.5)
+    committed = (engine.version(0), engine.digest(0))
+    assert committed[0] == 1
+    assert not fs.fall_back(engine, 0, before, (1, "another digest"))  # not what is held
+    assert (engine.version(0), engine.digest(0)) == committed
+    assert fs.fall_back(engine, 0, before, committed)
+    assert (engine.version(0), engine.digest(0)) == start
+    np.testing.assert_array_equal(engine.global_params(0), before.global_params)
+    _applied_pair_round(engine, 0.25)  # the next round starts from the old slot again
+    assert engine.version(0) == 1 and engine.digest(0) != committed[1]

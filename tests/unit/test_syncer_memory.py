@@ -30,7 +30,7 @@ from atoll.node.net.memory import MemoryNetwork
 from atoll.node.net.peers import PeerTracker
 from atoll.node.net.publisher import AttestationPublisher
 from atoll.node.net.rounds import Mailbox
-from atoll.node.net.syncer import Syncer, SyncReport, answer_bound, inline
+from atoll.node.net.syncer import FALL_BACK_AFTER_S, Syncer, SyncReport, answer_bound, inline
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statefetch as sf
@@ -1072,6 +1072,76 @@ def test_the_certificate_watcher_believes_a_peers_state_before_the_fragment_sync
                 while not beliefs.believes(0, *ahead):
                     await trio.sleep(0.1)
             assert late.state()[0] == 0  # believed, not yet copied: the sync does that
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+async def _pair_then_froze(
+    net: MemoryNetwork, services: trio.Nursery, *, silent: bool
+) -> tuple[list[Node], tuple[int, str]]:
+    """Three nodes; peer-0 and peer-1 commit a round as a pair (peer-2 does not sync), and
+    peer-1 never attests it: with ``silent`` it goes silent as it would attest (a frozen
+    process), else it stays up but its attestation is lost. Returns the nodes and the
+    state before the round; peer-0's watcher runs."""
+    _, nodes = await _swarm(net, services, 3)
+    start = nodes[0].state()
+    nodes[1].syncer.attest = (lambda _a: net.silence("peer-1")) if silent else (lambda _a: None)
+    nodes[1].syncer.attested = lambda *_state: None
+    await _sync_all(nodes[:2], _locals(2), 3)
+    assert nodes[0].state() == nodes[1].state() != start
+    assert nodes[0].report is not None and len(nodes[0].report.done.members) == 2
+    services.start_soon(watch_certificates, nodes[0].syncer, 1, 2.0)
+    return nodes, start
+
+
+def test_a_pair_member_whose_partner_froze_before_attesting_falls_back_and_rejoins() -> None:
+    """peer-0 holds a state whose certificate lacks its frozen partner's attestation:
+    peer-2, one version behind, may not follow it. peer-0 falls back to the state before
+    the round once the state stayed uncertified with too few members left to sign it;
+    then peer-0 and peer-2 meet at that slot and commit a certified state together."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            nodes, start = await _pair_then_froze(net, services, silent=True)
+            first, _, third = nodes
+            beliefs = third.syncer.peers.beliefs
+            assert beliefs is not None
+            await third.syncer.certify(0, [("peer-0", *first.state())])
+            assert not beliefs.believes(0, *first.state())  # nobody can follow peer-0
+            t0 = trio.current_time()
+            with trio.fail_after(60):
+                while first.state() != start:
+                    await trio.sleep(0.5)
+            took = trio.current_time() - t0
+            assert FALL_BACK_AFTER_S <= took < FALL_BACK_AFTER_S + 15, took
+            assert first.syncer.fallbacks == 1 and (0, "fall back") in first.changes
+            assert first.engine.pending(0) is None
+            await _sync_nodes([first, third], 7, 1)
+            assert first.state() == third.state() and first.state()[0] == 1
+            assert first.report is not None and first.report.done.round_status == "applied"
+            await trio.sleep(2.0)  # their attestations are published: a certificate
+            state = third.state()
+            records = await net.board_of(third.peer, Liveness()).find_attestations(0, state[0])
+            judge = CertifiedStates(RUN, quorum=2, verifier=NamedVerifier(), seeds=[""])
+            seals = [r.attestation for r in records if r.digest == state[1]]
+            assert judge.offer(0, *state, seals, now=0.0) is not None
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_pair_member_whose_partner_answers_keeps_its_state_uncertified_for_now() -> None:
+    """The same pair, but peer-1 stays up (its attestation was lost on the way): it could
+    still sign, so peer-0 keeps the committed state however long the certificate takes."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            nodes, start = await _pair_then_froze(net, services, silent=False)
+            held = nodes[0].state()
+            await trio.sleep(4 * FALL_BACK_AFTER_S)
+            assert nodes[0].state() == held != start
+            assert nodes[0].syncer.fallbacks == 0
             services.cancel_scope.cancel()
 
     _run(main)
