@@ -455,7 +455,7 @@ class Syncer:
             return False  # enough of the round's members answer: their attestations may come
         if p in self._syncing or p in self._ahead:  # began meanwhile: at the next turn
             return False
-        fell = await self.engine_call(self._fall_back, p, unsure)
+        fell = await self.engine_call(self._fall_back, p, unsure, trio.current_time())
         self._unsure.pop(p, None)
         return fell
 
@@ -471,9 +471,10 @@ class Syncer:
             if m != me and not liveness.silent(m) and self._unanswered.get(m, -math.inf) <= now
         ]
 
-    def _fall_back(self, p: int, unsure: _Unsure) -> bool:
+    def _fall_back(self, p: int, unsure: _Unsure, now: float) -> bool:
         """Put fragment ``p`` back to the state before its uncertified round (engine
-        lock held), unless it changed meanwhile."""
+        lock held, off the event loop: ``now`` is trio's clock), unless it changed
+        meanwhile."""
         att = unsure.attestation
         if not fs.fall_back(self.engine, p, unsure.before, (att.version, att.digest)):
             return False
@@ -484,7 +485,7 @@ class Syncer:
             p,
             att.version,
             att.digest[:12],
-            trio.current_time() - unsure.since,
+            now - unsure.since,
             ", ".join(m for m in att.members if m != self.transport.peer_id) or "none",
             unsure.before.version,
         )

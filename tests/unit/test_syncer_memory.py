@@ -12,6 +12,7 @@ engine unchanged, whatever dies when; no test waits on the wall clock.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -1077,6 +1078,15 @@ def test_the_certificate_watcher_believes_a_peers_state_before_the_fragment_sync
     _run(main)
 
 
+async def _in_a_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """An offload that runs engine work in a worker thread, as a node does (trio's clock
+    is out of reach there), while the event loop waits for it: unlike
+    ``trio.to_thread.run_sync``, the fake clock cannot jump meanwhile."""
+    await trio.lowlevel.checkpoint()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result()
+
+
 async def _pair_then_froze(
     net: MemoryNetwork, services: trio.Nursery, *, silent: bool
 ) -> tuple[list[Node], tuple[int, str]]:
@@ -1105,6 +1115,7 @@ def test_a_pair_member_whose_partner_froze_before_attesting_falls_back_and_rejoi
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
             nodes, start = await _pair_then_froze(net, services, silent=True)
             first, _, third = nodes
+            first.syncer.offload = _in_a_thread  # the fall-back's engine work, as in a node
             beliefs = third.syncer.peers.beliefs
             assert beliefs is not None
             await third.syncer.certify(0, [("peer-0", *first.state())])
