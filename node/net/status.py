@@ -62,6 +62,12 @@ class NodeStatus:
     """peers with a live record that answer (this one excluded): those that count"""
     suspicions: int = 0
     """times a peer stopped answering and was set aside for a while"""
+    dht_skips: int = 0
+    """times a peer that reset a DHT request was left out of the DHT's requests for a
+    while (it stays live for groups)"""
+    fallbacks: int = 0
+    """times a fragment went back from a committed state that too few of its round's
+    members were left to certify"""
     bytes_per_peer: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """peer id -> (bytes sent to it, bytes received from it), at most 64 peers"""
     bytes_up: int = 0
@@ -111,6 +117,8 @@ class NodeStatus:
             "dht_peers": self.dht_peers,
             "peers_live": self.peers_live,
             "suspicions": self.suspicions,
+            "dht_skips": self.dht_skips,
+            "fallbacks": self.fallbacks,
             "bytes_per_peer": {k: list(v) for k, v in self.bytes_per_peer.items()},
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
@@ -245,6 +253,8 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "dht_peers": _int,
     "peers_live": _int,
     "suspicions": _int,
+    "dht_skips": _int,
+    "fallbacks": _int,
     "bytes_per_peer": _bytes_per_peer,
     "bytes_up": _int,
     "bytes_down": _int,

@@ -511,6 +511,8 @@ class _Node:
                 "dht_peers": len(self.dht.routing_table_peers()),
                 "peers_live": len(self.peers.responsive()),
                 "suspicions": self.peers.liveness.suspicions,
+                "dht_skips": self.peers.liveness.skips,
+                "fallbacks": self.syncer.fallbacks,
                 "bytes_per_peer": {
                     peer: (sent.get(peer, 0), received.get(peer, 0)) for peer in list(sent)[:64]
                 },
