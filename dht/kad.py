@@ -333,7 +333,8 @@ class _KadHost:
     Every stream of :data:`DHT_PROTOCOL` the library opens (a request of atoll's, a lookup
     query, a ping of the routing table) is bounded by ``rpc_timeout_s`` and tells
     ``liveness`` how the peer did: opened, heard; answered the stream's hello and then
-    reset it while the protocol was chosen, refused
+    reset it while the protocol was chosen, tried once more at once, and reset again,
+    refused
     (:meth:`~atoll.protocol.liveness.Liveness.refused`: skipped by the DHT for a while,
     still live elsewhere); refused outright, unreachable or timed out, failed (a
     :class:`~libp2p.host.exceptions.StreamFailure` goes to the library, which treats it as
@@ -369,7 +370,14 @@ class _KadHost:
             raise StreamFailure(f"peer {peer} is {_LEFT_OUT} for its hold")
         try:
             with trio.fail_after(self._rpc_timeout_s):
-                stream = await self._host.new_stream(peer_id, wire)
+                try:
+                    stream = await self._host.new_stream(peer_id, wire)
+                except Exception as e:
+                    if not _reset_after_hello(e):
+                        raise
+                    # a reset of one stream of a burst: a fresh stream mostly goes through
+                    logger.debug("%s reset a DHT stream after its hello: trying again", peer)
+                    stream = await self._host.new_stream(peer_id, wire)
         except trio.TooSlowError:
             reason = f"no DHT stream within {self._rpc_timeout_s:g} s"
             self._liveness.failed(peer, trio.current_time(), reason)
@@ -379,10 +387,10 @@ class _KadHost:
             cause = e.__cause__
             logger.debug("%s: %s%s", peer, reason, f" ({_describe(cause)})" if cause else "")
             if _reset_after_hello(e):
-                # the peer answered the stream's hello, then reset it while the protocol
-                # was being chosen: it is there and talking (py-libp2p's yamux resets a
-                # few streams of a burst), so the DHT skips it for a while, but groups
-                # and connections keep it
+                # the peer answered the stream's hello, then reset it (twice) while the
+                # protocol was being chosen: it is there and talking (py-libp2p's yamux
+                # resets a few streams of a burst), so the DHT skips it for a while, but
+                # groups and connections keep it
                 self._liveness.refused(peer, trio.current_time())
             else:
                 self._liveness.failed(peer, trio.current_time(), reason)

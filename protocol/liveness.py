@@ -19,12 +19,13 @@ share (one timed-out request), not every later request of the swarm:
   Until then it stays *silent* (:meth:`Liveness.silent`): requests may reach it again,
   but it does not count toward group sizes and majorities.
 - :meth:`Liveness.refused`: the peer reset a DHT request while its protocol was being
-  chosen. The peer is there and talking (py-libp2p's yamux resets a few streams of a
-  burst between live peers), so it is neither suspected nor silent: it keeps counting
-  for groups and keeps its connections. But a request to it brought nothing, so the DHT
-  *skips* it (:meth:`Liveness.skipped`) for a hold of its own, doubled at each refusal in
-  a row: a peer whose streams keep resetting costs the DHT's quorums nothing, and a peer
-  that reset one stream of a burst counts as live everywhere else.
+  chosen (the DHT tries such a stream once more first). The peer is there and talking
+  (py-libp2p's yamux resets a few streams of a burst between live peers), so it is
+  neither suspected nor silent: it keeps counting for groups and keeps its connections.
+  But a request to it brought nothing, so the DHT *skips* it (:meth:`Liveness.skipped`)
+  for :attr:`Liveness.hold_s`, or until it answers again: a peer whose streams keep
+  resetting does not hold up the DHT's quorums, and a peer that reset one stream counts
+  as live everywhere else.
 
 One object is shared by the DHT and the round drivers of a node. Time is passed in (any
 monotonic clock, seconds); nothing here reads a clock or does IO.
@@ -47,7 +48,6 @@ class _Peer:
     failures: int = 0
     until: float = -math.inf
     reason: str = ""
-    refusals: int = 0
     refused_at: float | None = None
     skip_until: float = -math.inf
 
@@ -81,8 +81,7 @@ class Liveness:
         p.failures = 0
         p.until = -math.inf
         p.reason = ""
-        if now >= p.skip_until:  # an answer after the skip's hold ends the run of refusals
-            p.refusals = 0
+        p.skip_until = -math.inf
 
     def failed(self, peer: str, now: float, reason: str = "no answer") -> None:
         """A request to ``peer`` timed out or failed: suspect it for a while.
@@ -102,18 +101,14 @@ class Liveness:
             self.on_suspect(peer, p.failures)
 
     def refused(self, peer: str, now: float) -> None:
-        """``peer`` reset a DHT request before it was under way: skip it in the DHT for a
-        while, without suspecting it (see the module docstring).
-
-        The hold doubles with each refusal in a row (an answer once the hold has passed
-        ends the row); a refusal within the hold does not extend it.
-        """
+        """``peer`` reset a DHT request before it was under way: skip it in the DHT for
+        :attr:`hold_s`, or until it is heard again, without suspecting it (see the module
+        docstring). A refusal within the hold does not extend it."""
         p = self._peers.setdefault(peer, _Peer())
         p.refused_at = now
         if now < p.skip_until:
             return
-        p.skip_until = now + min(self.max_hold_s, self.hold_s * 2 ** min(p.refusals, 30))
-        p.refusals += 1
+        p.skip_until = now + self.hold_s
         self.skips += 1
 
     def refused_since(self, peer: str, since: float) -> bool:
