@@ -89,6 +89,7 @@ clock. It also answers peers' state requests (:meth:`Syncer.serve_request`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -166,6 +167,10 @@ READY_TTL_SLACK_S = 10.0
 
 Offload = Callable[..., Awaitable[Any]]
 """``await offload(fn, *args)`` runs ``fn(*args)`` off the event loop and returns its result."""
+
+REGULAR_ROUNDS = 4
+"""A fragment's round uses measured deadlines only when every other member took part in
+one of its last this many applied rounds here (else the manifest's)"""
 
 FALL_BACK_AFTER_S = 10.0
 """How long this node's committed state of a fragment may go uncertified, while fewer of
@@ -345,6 +350,9 @@ class Syncer:
         """fragment -> its matchmaking run ahead of its next sync (:meth:`prepare`)"""
         self._syncing: set[int] = set()
         """fragments with a sync in flight"""
+        self._regulars: dict[int, collections.deque[frozenset[str]]] = {}
+        """fragment -> the members of its last applied rounds here (measured deadlines
+        apply to rounds of these peers only)"""
         self._unsure: dict[int, _Unsure] = {}
         """fragment -> its committed state not yet certified, and the state before it"""
         self.fallbacks = 0
@@ -759,7 +767,7 @@ class Syncer:
                 self._log_slot(action, machine, seen)
             elif isinstance(action, fs.RunRound):
                 traffic = RoundTraffic()
-                phase_s, round_s = self.round_deadlines(machine.fragment)
+                phase_s, round_s = self.round_deadlines(machine.fragment, action.spec.members)
                 result = await run_allreduce(
                     self.transport,
                     self.mailbox,
@@ -779,6 +787,11 @@ class Syncer:
                 if report is not None:
                     report.traffic = traffic
                 self._measured(machine.fragment, result, traffic, phase_s, round_s)
+                if isinstance(result, ar.Done):
+                    regular = self._regulars.setdefault(
+                        machine.fragment, collections.deque(maxlen=REGULAR_ROUNDS)
+                    )
+                    regular.append(frozenset(action.spec.members))
                 if isinstance(result, ar.Failed) and self.strikes is not None:
                     self._strike(action.spec.key, result)
                 holdings = await self._holdings(machine.fragment, seen)
@@ -800,12 +813,22 @@ class Syncer:
                 action = await self._fetch(machine, action)
 
     # -- deadlines -------------------------------------------------------------------------
-    def round_deadlines(self, p: int) -> tuple[float, float]:
+    def round_deadlines(self, p: int, members: Sequence[str] | None = None) -> tuple[float, float]:
         """The phase and round deadlines of fragment ``p``'s next all-reduce: measured
         from its past rounds (:mod:`atoll.protocol.deadlines`) when :attr:`deadline_rule`
-        is set, else the manifest's ``part_s`` and ``round_s``."""
+        is set, else the manifest's ``part_s`` and ``round_s``. With the round's
+        ``members``: the manifest's too when one of them took part in none of the
+        fragment's last :data:`REGULAR_ROUNDS` applied rounds here (a healed split's other
+        side, a node back from a cut or a restart: its sync may start seconds apart from
+        the others', which the measured rounds never saw)."""
+        fixed = self.timeouts.part_s, self.timeouts.round_s
         if self.deadline_rule is None:
-            return self.timeouts.part_s, self.timeouts.round_s
+            return fixed
+        if members is not None:
+            regulars = set().union(*self._regulars.get(p, ()))
+            me = self.transport.peer_id
+            if any(m != me and m not in regulars for m in members):
+                return fixed
         tracker = self._deadlines.get(p)
         if tracker is None:
             tracker = RoundDeadlines(

@@ -685,10 +685,16 @@ def test_a_member_silent_mid_round_costs_the_measured_deadline_not_the_manifests
                 assert all(n.report.done.applied for n in nodes), k  # type: ignore[union-attr]
                 assert len({n.state() for n in nodes}) == 1 and nodes[0].state() != before
             phase_s, round_s = nodes[0].syncer.round_deadlines(0)
+            fixed = (TIMEOUTS.part_s, TIMEOUTS.round_s)
             if measured:
                 assert (phase_s, round_s) == (MEASURED.floor_s, MEASURED.floor_s)
             else:
-                assert (phase_s, round_s) == (TIMEOUTS.part_s, TIMEOUTS.round_s)
+                assert (phase_s, round_s) == fixed
+            # the same group is measured; one with a peer from none of the last rounds
+            # (back from a split or a restart: its sync may start late) is not
+            regulars = [n.peer for n in nodes]
+            assert nodes[0].syncer.round_deadlines(0, regulars) == (phase_s, round_s)
+            assert nodes[0].syncer.round_deadlines(0, [*regulars, "peer-new"]) == fixed
             victim = next(n for n in nodes if n is not _leader_of(nodes, 0))
             start = nodes[0].state()
             step = 3 + 4 * (MEASURED.min_samples + 1)
