@@ -1280,7 +1280,7 @@ class AtollDHT:
         :meth:`_lookup`), less the suspected peers (all of them if every one is)."""
         closest = await self._lookup(_lookup_target(key), self._lookup_timeout_s)
         own_id = self._host.get_id()
-        return quorum.skip_suspected(
+        return quorum.without_skipped(
             [p for p in closest if p != own_id], self._liveness, trio.current_time()
         )
 

@@ -17,7 +17,7 @@ silent peer (a link that dropped without refusing anything) from holding up the 
   go on in the ``background`` nursery, each within its bound, so that their peers' liveness
   is still learned (their replies are not used); without one they are cancelled.
 
-:func:`majority` is the quorum the adapter uses and :func:`skip_suspected` the peers it
+:func:`majority` is the quorum the adapter uses and :func:`without_skipped` the peers it
 asks. Nothing here touches libp2p: a peer is any hashable value, a request any async
 callable, and the clock is trio's (``trio.current_time``), so the unit tests run all of it
 under ``trio.testing.MockClock``.
@@ -36,7 +36,7 @@ import trio
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.liveness import Liveness
 
-__all__ = ["Reply", "Tally", "ask", "majority", "skip_suspected"]
+__all__ = ["Reply", "Tally", "ask", "majority", "without_skipped"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def majority(asked: int) -> int:
     return asked // 2 + 1 if asked else 0
 
 
-def skip_suspected(
+def without_skipped(
     peers: Sequence[P], liveness: Liveness, now: float, *, name: Callable[[P], str] = str
 ) -> list[P]:
     """``peers`` without the ones the DHT skips now (suspected, or refusing requests: see

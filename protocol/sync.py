@@ -658,7 +658,8 @@ def fall_back(
     engine still holds that round's ``committed`` (version, digest); whether it did.
 
     The round then counts as failed for this node: it meets its peers at the earlier
-    slot again (the driver decides when: :meth:`~atoll.node.net.syncer.Syncer.settle`).
+    slot again (the driver decides when:
+    :meth:`~atoll.node.net.syncer.Syncer.fall_back_if_uncertifiable`).
     """
     if (engine.version(fragment), engine.digest(fragment)) != committed:
         return False

@@ -48,9 +48,9 @@ syncer keeps the state from before the round (:class:`_Unsure`: a second copy of
 fragment's state) until the new state is certified or replaced. Once it has gone
 uncertified for :data:`FALL_BACK_AFTER_S`, its members are asked for their attestations;
 when those that answer are fewer than the quorum needs, the fragment falls back to the
-kept state (:meth:`Syncer.settle`): the round is as if it had failed, and this node meets
-the others at the earlier slot again. The trainer keeps what it learned; only the
-shared global copy goes back.
+kept state (:meth:`Syncer.fall_back_if_uncertifiable`): the round is as if it had
+failed, and this node meets the others at the earlier slot again. The trainer keeps
+what it learned; only the shared global copy goes back.
 
 Strikes and bans. With :attr:`Syncer.strikes` (the node's
 :class:`~atoll.protocol.strikes.Strikes`), a round that failed naming a culprit strikes it
@@ -402,9 +402,9 @@ class Syncer:
         module docstring); returns this node's own state. ``within``: give up on what is
         not found by then (a sync must not start late for it: the background watch,
         :mod:`atoll.node.net.certwatch`, keeps looking). Outside a sync, first settles
-        this node's own uncertified state (:meth:`settle`)."""
+        this node's own uncertified state (:meth:`fall_back_if_uncertifiable`)."""
         if p not in self._syncing:
-            await self.settle(p)
+            await self.fall_back_if_uncertifiable(p)
         mine = await self.engine_call(self._mine, p)
         beliefs = self.peers.beliefs
         if beliefs is None:
@@ -433,7 +433,7 @@ class Syncer:
             await done.wait()
         return mine
 
-    async def settle(self, p: int) -> bool:
+    async def fall_back_if_uncertifiable(self, p: int) -> bool:
         """Fall back from fragment ``p``'s committed state when nobody can certify it (see
         the module docstring); whether it fell back. Forgets the kept state once the
         committed one is believed or replaced."""
@@ -651,7 +651,7 @@ class Syncer:
         self.step = max(self.step, step)
         machine = self._machine(p)
         report = SyncReport(fs.SyncDone(p, step, False, -1, "", "none"), 0.0)
-        await self.settle(p)
+        await self.fall_back_if_uncertifiable(p)
         self._syncing.add(p)
         ahead = self._ahead.pop(p, None)
         try:

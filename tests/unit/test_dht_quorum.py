@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from atoll.dht.quorum import Reply, Tally, ask, majority, skip_suspected
+from atoll.dht.quorum import Reply, Tally, ask, majority, without_skipped
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.liveness import Liveness
 
@@ -142,7 +142,7 @@ def test_a_hanging_peer_costs_the_bound_once_and_nothing_once_suspected() -> Non
     async def body() -> list[tuple[Tally[str, Any], float]]:
         out = []
         for _ in range(3):  # as providers are read: every asked peer, answered or timed out
-            asked = skip_suspected(list(peers), liveness, trio.current_time())
+            asked = without_skipped(list(peers), liveness, trio.current_time())
             subset = {p: peers[p] for p in asked}
             out.append(await ask_all(subset, liveness, need=len(subset)))
         return out
@@ -158,9 +158,9 @@ def test_once_every_peer_is_suspected_they_are_asked_anyway() -> None:
     liveness = Liveness()
     liveness.failed("a", 0.0)
     liveness.failed("b", 0.0)
-    assert skip_suspected(["a", "b"], liveness, 1.0) == ["a", "b"]
-    assert skip_suspected(["a", "b", "c"], liveness, 1.0) == ["c"]
-    assert skip_suspected(["a", "b"], liveness, 6.0) == ["a", "b"]  # the hold has passed
+    assert without_skipped(["a", "b"], liveness, 1.0) == ["a", "b"]
+    assert without_skipped(["a", "b", "c"], liveness, 1.0) == ["c"]
+    assert without_skipped(["a", "b"], liveness, 6.0) == ["a", "b"]  # the hold has passed
 
 
 def test_a_probe_after_the_hold_brings_the_peer_back() -> None:
@@ -172,7 +172,7 @@ def test_a_probe_after_the_hold_brings_the_peer_back() -> None:
         await trio.sleep(5.0)
         now = trio.current_time()
         was_suspected = liveness.suspected("s", now)
-        asked = skip_suspected(list(peers), liveness, now)
+        asked = without_skipped(list(peers), liveness, now)
         peers["s"] = Peer("answer")  # the link is back
         tally, _ = await ask_all({p: peers[p] for p in asked}, liveness, need=2)
         return was_suspected, liveness.suspected("s", trio.current_time()), tally.reached
@@ -196,9 +196,9 @@ def test_a_peer_that_resets_requests_is_skipped_by_the_dht_but_stays_live() -> N
         tally, _ = await ask_all(peers, liveness, need=3)
         now = trio.current_time()
         seen.append((tally.failed, tally.reached, liveness.skipped("r", now)))
-        seen.append(skip_suspected(list(peers), liveness, now))
+        seen.append(without_skipped(list(peers), liveness, now))
         await trio.sleep(5.0)  # the hold has passed: asked again, reset again
-        seen.append(skip_suspected(list(peers), liveness, trio.current_time()))
+        seen.append(without_skipped(list(peers), liveness, trio.current_time()))
         await ask_all({"r": peers["r"]}, liveness, need=1)
         t = trio.current_time()
         seen.append((liveness.skipped("r", t + 4.9), liveness.skipped("r", t + 5.1)))
