@@ -56,7 +56,7 @@ from atoll.node.train import FragmentViews, InnerConfig, Replica, evaluate, lr_a
 from atoll.protocol.engine import merge
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.manifest import RunManifest, Timeouts
-from atoll.protocol.matchmaking import OUT_OF_STEP
+from atoll.protocol.matchmaking import BEHIND, OUT_OF_STEP
 from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.streaming import StreamingLoop
@@ -353,15 +353,18 @@ def _train(
     # a lag within one period (H steps) is left alone: the peers due at a slot wait for
     # this node there (matchmaking's patience holds their trainers), while a jump to the
     # serving peer's step (the fastest peer's, often, and its counter may differ from the
-    # others' by whole periods) skips this node's own syncs of the slots they wait at
+    # others' by whole periods) skips this node's own syncs of the slots they wait at.
+    # Unless a sync found every peer already past its slot (nobody waits for this node
+    # there, and each of its syncs would come too late): then any lag is closed
     lag_allowed = schedule.H
+    behind = False
     realign_to = -1  # its peers refused this node as out of step: their step
     while run.step < run.end and not stop.by:
         if realign_to >= 0 and realign_to != run.step:
             run.realign(realign_to, extend=bool(cfg.steps))
-        elif jump_to > run.step + lag_allowed:
+        elif jump_to > run.step + (0 if behind else lag_allowed):
             run.jump(jump_to, extend=bool(cfg.steps))
-        jump_to, realign_to = 0, -1
+        jump_to, realign_to, behind = 0, -1, False
         compute_before = rep.timer.compute_s
         run.losses.append(rep.train_step(run.step))
         if cfg.slowdown > 1.0:  # a slow peer (tests, benchmarks): NodeConfig.slowdown
@@ -375,6 +378,9 @@ def _train(
                 # its schedule, learning rate and data position are not the swarm's (a
                 # checkpoint of a wrong step, say): move to the step of the refusing peers
                 realign_to = bridge.status.swarm_step
+            if f"alone: {BEHIND}:" in outcome.reason:
+                # the peers it asked had all left this slot: they train at their step
+                jump_to, behind = max(jump_to, bridge.status.swarm_step), True
         run.step += 1
         bridge.note_step(run.step)  # peers that copy a state from here start at this step
         if ckpts is not None:

@@ -131,8 +131,10 @@ from atoll.protocol.manifest import GroupSettings
 from atoll.protocol.messages import wire_message
 
 __all__ = [
+    "BEHIND",
     "MAX_REDIRECTS",
     "OUT_OF_STEP",
+    "PAST_SLOT",
     "Action",
     "Alone",
     "CompatKey",
@@ -156,6 +158,17 @@ MAX_REDIRECTS: int = 8
 
 OUT_OF_STEP = "out of step"
 """How a Disband for a step that does not fit begins (see "In step" above)."""
+
+PAST_SLOT = "slot closed: this node is at version"
+"""How the Disband of a peer that already left this slot for a later version begins
+(the driver answers a JoinRequest for a slot it is past with it, then the version, and
+puts its trainer's current step in the Disband's ``step``)."""
+
+BEHIND = "behind"
+"""How an :class:`Alone` reason begins when every peer this one knows of is past its slot
+and nobody else is expected there: it can only copy the newer state, so it stops looking
+at once instead of waiting out the deadline. The :class:`Alone`'s ``swarm_step`` is then
+the median step those peers stated: where the swarm's trainers are now."""
 
 _RANK_TAG = b"atoll/matchmaking/rank/v1"
 _ID_MAX = 128  # characters of a peer id, run id or digest on the wire
@@ -504,6 +517,9 @@ class Matchmaker:
         self._start = float(now)
         self._deadline = float(now) + float(timeout)
         self._extended = False
+        self._awaited = False  # peers are expected here that have not declared yet
+        self._past: set[str] = set()  # peers that said they are past this slot
+        self._past_steps: list[int] = []  # the steps they stated
         self._state: State = "searching"
         # compatible peers known from the DHT, from hints and from requests, by rank
         self._ranks: dict[str, bytes] = {}
@@ -626,6 +642,7 @@ class Matchmaker:
             return out
         known = self._ranks.keys() | self._excluded | {self._id}
         if any(p not in known for p in peers):
+            self._awaited = True
             self._extend()
         return out
 
@@ -770,6 +787,13 @@ class Matchmaker:
         if self._state in ("formed", "alone") or self._target is not None:
             return []
         best = self._lowest()
+        if best == self._id and self._left_behind():
+            steps = sorted(self._past_steps)
+            return self._give_up(
+                f"{BEHIND}: {len(self._past)} peer(s) are past slot {self.me.slot} "
+                f"(version {self.me.version} here) and no other is expected",
+                swarm_step=steps[len(steps) // 2] if steps else -1,
+            )
         if best == self._id:
             if self._state != "leading":
                 self._state = "leading"
@@ -794,6 +818,18 @@ class Matchmaker:
             )
         )
         return out
+
+    def _left_behind(self) -> bool:
+        """Every peer known at this slot left it, some of them for a later version, none
+        waits here (no follower, no held request) and none is expected: no group can
+        form, whatever the deadline."""
+        return (
+            bool(self._past)
+            and not self._accepted
+            and not self._held
+            and not self._awaited
+            and all(p in self._excluded for p in self._ranks)
+        )
 
     def _count_quorum(self, now: float) -> None:
         """Start the grace window when the quorum is reached; stop it when it is lost."""
@@ -864,7 +900,9 @@ class Matchmaker:
             reason = "timeout: no group found"
         return self._give_up(reason)
 
-    def _give_up(self, reason: str, *, withdrawn: bool = False) -> list[Action]:
+    def _give_up(
+        self, reason: str, *, withdrawn: bool = False, swarm_step: int = -1
+    ) -> list[Action]:
         """End alone; followers, the peer we wait for and held requesters are told."""
         out: list[Action] = [self._disband(f, reason) for f in self._accepted]
         if self._target is not None:
@@ -874,7 +912,6 @@ class Matchmaker:
         self._target = None
         self._quorum_at = None
         out.extend(self._release_held(self._deadline))
-        swarm_step = -1
         if self._refused_at:
             steps = sorted(self._refused_at)
             swarm_step = steps[len(steps) // 2]
@@ -1042,6 +1079,10 @@ class Matchmaker:
             and msg.step >= 0
         ):
             self._refused_at.append(msg.step)
+        if isinstance(msg.reason, str) and msg.reason.startswith(PAST_SLOT):
+            if sender not in self._past and _is_int(msg.step) and msg.step >= 0:
+                self._past_steps.append(msg.step)
+            self._past.add(sender)
         self._excluded.add(sender)
         self._held.pop(sender, None)
         if sender == self._target:

@@ -159,7 +159,7 @@ class Mailbox:
         hold_peer_messages: int = 512,
         requests: int = 64,
         requests_per_peer: int = 4,
-        passed: Callable[[int, int], int | None] | None = None,
+        passed: Callable[[int, int], tuple[int, int] | None] | None = None,
     ) -> None:
         self.host = host
         self.passed = passed
@@ -244,9 +244,9 @@ class Mailbox:
             self._deliver(key, channel, sender, msg)
             return
         if isinstance(msg, mm.JoinRequest) and self.passed is not None:
-            version = self.passed(msg.fragment, msg.slot)
-            if version is not None:  # the slot is over here: say so, do not let it wait
-                self._start_request(sender, msg, nursery, self._refuse_join(msg, version))
+            past = self.passed(msg.fragment, msg.slot)
+            if past is not None:  # the slot is over here: say so, do not let it wait
+                self._start_request(sender, msg, nursery, self._refuse_join(msg, *past))
                 return
         if key in self._closed and not _is_slot(key):
             # a round's late messages; a slot's are held: the slot may be tried again at
@@ -309,14 +309,16 @@ class Mailbox:
                 del self._peer_held[sender]
 
     def _refuse_join(
-        self, msg: mm.JoinRequest, version: int
+        self, msg: mm.JoinRequest, version: int, step: int
     ) -> Callable[[str, object], Awaitable[None]]:
         """The answer to a join request for a slot this node is past: a Disband naming
-        the version it is at (the requester asks another peer, or leads, at once)."""
+        the version it is at and its trainer's ``step`` (the requester asks another peer,
+        or leads, at once; when every peer it knows is past the slot it stops looking and
+        its trainer may move to that step)."""
         me = self.host.peer_id
-        reason = f"slot closed: this node is at version {version}"
+        reason = f"{mm.PAST_SLOT} {version}"
         answer = mm.Disband(
-            me, msg.run_id, msg.fragment, msg.slot, msg.version, msg.digest, reason, -1, msg.step
+            me, msg.run_id, msg.fragment, msg.slot, msg.version, msg.digest, reason, step, msg.step
         )
 
         async def refuse(sender: str, _msg: object) -> None:

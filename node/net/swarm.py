@@ -390,14 +390,14 @@ class _Node:
                 out.append(peer)
         return out
 
-    def _passed(self, fragment: int, slot: int) -> int | None:
-        """This node's version of ``fragment`` when it is past ``slot`` (a slot is a
-        version: a node that applied or copied a later one will not match at it), else
-        None."""
+    def _passed(self, fragment: int, slot: int) -> tuple[int, int] | None:
+        """This node's version of ``fragment`` and its trainer's step when it is past
+        ``slot`` (a slot is a version: a node that applied or copied a later one will not
+        match at it), else None."""
         if not 0 <= fragment < len(self.shared):
             return None
         version = self.engine.version(fragment)
-        return version if version > slot else None
+        return (version, self.syncer.step) if version > slot else None
 
     # -- the record and the status --------------------------------------------------------
     def _versions(self) -> tuple[int, ...]:

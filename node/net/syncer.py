@@ -67,7 +67,10 @@ pieces asked of another, the whole copy bounded by ``round_s``). A donor whose p
 piece list fails its check is struck (``state``). The syncer serves its own states the
 same way: the encoding and piece hashes of a state are computed once, off the event
 loop, and kept for the next joiners while the engine holds that state
-(:data:`MAX_SOURCES` fragments at most).
+(:data:`MAX_SOURCES` fragments at most). It also serves the state each fragment held
+before its last applied round (one copy per fragment): a certificate reaches a joiner a
+few seconds after the round it certifies, and in a swarm whose fragments move on every
+few seconds the holders were often one round further by the time the joiner asked.
 
 Groups formed ahead. Matchmaking needs nothing of the trainer's Δ: the slot, version and
 digest are the fragment's global copy, which does not change between two of its syncs,
@@ -338,6 +341,8 @@ class Syncer:
         self.lock = trio.Lock()
         """one engine call at a time"""
         self._sources: dict[int, sp.PieceSource] = {}
+        # each fragment's state before its last applied round (served to joiners too)
+        self._previous: dict[int, tuple[tuple[int, str], ss.FragmentState]] = {}
         """fragment -> the encoding served to joiners (newest last)"""
         self._source_lock = trio.Lock()
         self.step = 0
@@ -500,6 +505,11 @@ class Syncer:
         if self.on_change is not None:
             self.on_change(p, "fall back")
         return True
+
+    def _held_before(self, p: int) -> tuple[tuple[int, str], ss.FragmentState]:
+        """Fragment ``p``'s (version, digest) and a copy of its state, before a round
+        changes it (engine lock held)."""
+        return self._mine(p), self._kept(p)
 
     def _kept(self, p: int) -> ss.FragmentState:
         """A copy of fragment ``p``'s state that later rounds do not change (engine lock
@@ -795,19 +805,22 @@ class Syncer:
                 if isinstance(result, ar.Failed) and self.strikes is not None:
                     self._strike(action.spec.key, result)
                 holdings = await self._holdings(machine.fragment, seen)
-                before = None
-                beliefs = self.peers.beliefs
-                if (
-                    isinstance(result, ar.Done)
-                    and beliefs is not None
-                    and len(action.spec.members) <= beliefs.quorum
-                ):  # no spare signer: one member lost before it attests leaves no certificate
-                    before = await self.engine_call(self._kept, machine.fragment)
+                members = action.spec.members
+                held = None
+                if isinstance(result, ar.Done):
+                    held = await self.engine_call(self._held_before, machine.fragment)
                 action = await self.engine_call(machine.reduced, result, holdings)
-                if before is not None and machine.attestation is not None:
-                    self._unsure[machine.fragment] = _Unsure(
-                        machine.attestation, before, trio.current_time()
-                    )
+                if held is not None and machine.round_status == "applied":
+                    self._previous[machine.fragment] = held
+                    beliefs = self.peers.beliefs
+                    if (
+                        beliefs is not None
+                        and len(members) <= beliefs.quorum
+                        and machine.attestation is not None
+                    ):  # no spare signer: one lost before it attests leaves no certificate
+                        self._unsure[machine.fragment] = _Unsure(
+                            machine.attestation, held[1], trio.current_time()
+                        )
                 self._log_slot(action, machine, seen)
             else:
                 action = await self._fetch(machine, action)
@@ -1201,18 +1214,25 @@ class Syncer:
             return None
         async with self._source_lock:
             mine = await self.engine_call(self._mine, p)
+            previous = self._previous.get(p)
+            served = [mine] if previous is None else [mine, previous[0]]
             source = self._sources.get(p)
-            if source is not None and not source.holds(*mine):
+            if source is not None and not any(source.holds(*s) for s in served):
                 del self._sources[p]  # the engine moved on: the old encoding is not served
                 source = None
-            if mine != (version, digest):
+            if (version, digest) not in served:
                 return None
-            if source is None:
-                state = await self.engine_call(self.engine.export_fragment, p, self.step)
+            if source is None or not source.holds(version, digest):
+                if (version, digest) == mine:
+                    state = await self.engine_call(self.engine.export_fragment, p, self.step)
+                else:  # the state before the last round, kept for joiners one round late
+                    assert previous is not None
+                    state = previous[1]
                 source = await self.offload(sp.PieceSource.of, state)
                 if not source.holds(version, digest):  # cannot happen: the engine's own
                     logger.warning("fragment %d: the served state's digest differs", p)
                     return None
+                self._sources.pop(p, None)
                 self._sources[p] = source
                 while len(self._sources) > MAX_SOURCES:
                     del self._sources[next(iter(self._sources))]

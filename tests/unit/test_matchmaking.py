@@ -25,7 +25,9 @@ from atoll.protocol.allreduce import RoundKey
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.manifest import GroupSettings
 from atoll.protocol.matchmaking import (
+    BEHIND,
     MAX_REDIRECTS,
+    PAST_SLOT,
     Action,
     Alone,
     Declaration,
@@ -522,6 +524,61 @@ def test_no_quorum_disbands_followers_and_ends_alone_at_the_timeout() -> None:
     fm.receive(Disband(lead, RUN, FRAG, SLOT, VERSION, DIGEST, "no quorum"), now=15.0)
     assert fm.state == "leading"
     assert isinstance(outcome(fm.tick(20.0))[0], Alone)
+
+
+def test_a_peer_whose_every_peer_is_past_its_slot_stops_looking_at_once() -> None:
+    """A node a slot behind (a joiner, a node back from a cut) asks the peers it knows;
+    each answers that it already left the slot for a later version. Nobody can join it
+    there, so it ends alone at once (and copies the newer state) rather than holding its
+    trainer until the deadline."""
+    a, b, me = by_rank(peers(3))
+    m = Matchmaker(decl(me), GroupSettings(2, 8, 1.0), now=0.0, timeout=TIMEOUT)
+    [(to, _)] = sends(m.observe([decl(a), decl(b)], now=0.0))
+    assert to == a
+    past = f"{PAST_SLOT} {VERSION + 1}"
+    first = Disband(a, RUN, FRAG, SLOT, VERSION, DIGEST, past, 84)
+    [(to, _)] = sends(m.receive(first, now=0.1))
+    assert to == b and m.state == "searching"  # one peer left that may still be here
+    out = m.receive(Disband(b, RUN, FRAG, SLOT, VERSION, DIGEST, past, 86), now=0.2)
+    [alone] = outcome(out)
+    assert isinstance(alone, Alone) and alone.reason.startswith(BEHIND), alone
+    assert alone.swarm_step == 86  # the median of the steps they stated: where they are
+    assert m.state == "alone"
+
+
+def test_a_peer_left_at_its_slot_waits_for_those_still_expected_or_still_there() -> None:
+    """The early end needs every known peer past the slot and none expected: a peer that
+    gave up for another reason, or a ready record of a peer not yet declared, keeps the
+    deadline (a slower peer may still come)."""
+    a, b, me = by_rank(peers(3))
+    past = f"{PAST_SLOT} {VERSION + 1}"
+    # one peer past the slot, the other out of it for another reason: still nobody to
+    # wait for, so it ends at once too
+    m = Matchmaker(decl(me), GroupSettings(2, 8, 1.0), now=0.0, timeout=TIMEOUT)
+    m.observe([decl(a), decl(b)], now=0.0)
+    m.receive(Disband(a, RUN, FRAG, SLOT, VERSION, DIGEST, "gave up"), now=0.1)
+    assert m.state == "searching"
+    out = m.receive(Disband(b, RUN, FRAG, SLOT, VERSION, DIGEST, past), now=0.2)
+    assert [type(o) for o in outcome(out)] == [Alone]
+    # every peer gave up without being past the slot: the deadline as before
+    m = Matchmaker(decl(me), GroupSettings(2, 8, 1.0), now=0.0, timeout=TIMEOUT)
+    m.observe([decl(a), decl(b)], now=0.0)
+    m.receive(Disband(a, RUN, FRAG, SLOT, VERSION, DIGEST, "gave up"), now=0.1)
+    assert (
+        outcome(m.receive(Disband(b, RUN, FRAG, SLOT, VERSION, DIGEST, "gave up"), now=0.2)) == []
+    )
+    assert m.state == "leading"
+    # a peer expected at the slot (its ready record) keeps it waiting
+    a, me, b = by_rank(peers(3))
+    m = Matchmaker(decl(me), GroupSettings(2, 8, 1.0), now=0.0, timeout=TIMEOUT, patience=5.0)
+    m.observe([decl(a)], now=0.0)
+    m.expect([b], now=0.0)
+    assert outcome(m.receive(Disband(a, RUN, FRAG, SLOT, VERSION, DIGEST, past), now=0.1)) == []
+    assert m.state == "leading"
+    # and the late peer that does come forms the group with it
+    out = m.receive(request(decl(b)), now=1.0)
+    assert [type(o) for o in outcome(out)] == []
+    assert [type(o) for o in outcome(m.tick(2.5))] == [Formed]
 
 
 def test_leaving_followers_take_the_quorum_and_its_grace_with_them() -> None:

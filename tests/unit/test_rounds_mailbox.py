@@ -439,8 +439,8 @@ def test_requests_in_progress_are_bounded_per_peer_and_overall() -> None:
 
 def test_a_join_request_for_a_slot_this_node_is_past_is_refused_at_once() -> None:
     """A peer late to a slot asks a node whose version moved past it (it applied that
-    round): the mailbox answers with a Disband naming its version and the requester's
-    step, instead of holding the request for a round that will never open here (the
+    round): the mailbox answers with a Disband naming its version, its own step and the
+    requester's, instead of holding the request for a round that will never open here (the
     requester waited for an answer until its leader bound, peer after peer). A request
     for a slot the node has not reached is held as before."""
     from atoll.node.net.memory import MemoryNetwork
@@ -448,7 +448,7 @@ def test_a_join_request_for_a_slot_this_node_is_past_is_refused_at_once() -> Non
     async def main() -> None:
         async with MemoryNetwork.open(run_id="run") as net:
             late, node = net.transport("late"), net.transport("node")
-            box = Mailbox(node, passed=lambda fragment, slot: 10 if slot < 10 else None)
+            box = Mailbox(node, passed=lambda fragment, slot: (10, 95) if slot < 10 else None)
             async with trio.open_nursery() as nursery:
                 request = mm.JoinRequest("late", "run", 1, 9, 9, "d" * 32, 1.0, 120)
                 box.route("late", request, nursery)
@@ -457,6 +457,7 @@ def test_a_join_request_for_a_slot_this_node_is_past_is_refused_at_once() -> Non
                 assert sender == "node" and isinstance(answer, mm.Disband)
                 assert answer.reason == "slot closed: this node is at version 10"
                 assert (answer.slot, answer.version, answer.for_step) == (9, 9, 120)
+                assert answer.step == 95  # where this node's trainer is
                 box.route("late", _join("late", slot=10), nursery)
                 assert box.held_by("late")[0] == 1
 

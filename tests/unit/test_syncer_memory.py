@@ -1237,6 +1237,52 @@ def test_a_joiner_copies_from_three_donors_at_once() -> None:
     _run(main)
 
 
+def test_a_donor_serves_the_state_before_its_last_round_to_a_joiner_one_round_late() -> None:
+    """A joiner learns of a state from its certificate, a few seconds after the round
+    that made it; by then the holders may be one round further. They still serve the
+    state they held before their last round (and the current one), no older one."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 3, numel=COPY_N, codec="fp32")
+            v0 = nodes[0].state()
+            await _sync_all(nodes, _locals(3, numel=COPY_N), 3)
+            v1 = nodes[0].state()
+            await trio.sleep(TRAIN_S)
+            await _sync_all(nodes, _locals(3, seed=1, numel=COPY_N), 13)
+            v2 = nodes[0].state()
+            assert v0[0] + 2 == v1[0] + 1 == v2[0] and all(n.state() == v2 for n in nodes)
+            donor = nodes[0].syncer
+            for state, served in ((v2, True), (v1, True), (v0, False), (v1[:1] + v2[1:], False)):
+                source = await donor._source(RUN, 0, *state)
+                assert (source is not None) == served, state
+                assert source is None or source.holds(*state)
+            # a joiner asking for the state one round back gets every piece of it
+            late = await _node(
+                net,
+                directory,
+                "peer-late",
+                services,
+                initial=np.zeros(COPY_N, np.float32),
+                codec="fp32",
+            )
+            got: list[sp.StateIndex] = []
+
+            def seen(sender: str, to: str, msg: object) -> None:
+                if to == late.peer and isinstance(msg, sp.StateIndex):
+                    got.append(msg)
+
+            net.on_deliver = seen
+            await donor.serve_request(late.peer, sp.StateIndexRequest(late.peer, RUN, 0, *v1))
+            with trio.fail_after(5):
+                while not got:
+                    await trio.sleep(0.05)
+            assert got[0].total == ss.state_bytes(COPY_N) and not got[0].reason
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 def test_a_donor_that_sends_a_bad_piece_is_struck_and_the_others_serve_it() -> None:
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
