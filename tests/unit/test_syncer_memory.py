@@ -248,6 +248,15 @@ async def _swarm(
     return directory, nodes
 
 
+async def _late_node(
+    net: MemoryNetwork, directory: Directory, services: trio.Nursery, numel: int
+) -> Node:
+    """A node that joins after the others' rounds, its fragment all zeros (fp32)."""
+    return await _node(
+        net, directory, "peer-late", services, initial=np.zeros(numel, np.float32), codec="fp32"
+    )
+
+
 async def _sync_all(nodes: list[Node], locals_: list[np.ndarray], step: int) -> None:
     """Every node's sync at once; returns when all have ended."""
     async with trio.open_nursery() as syncs:
@@ -311,14 +320,7 @@ def test_a_node_behind_rebases_and_a_holder_killed_mid_transfer_is_passed_over()
             await _sync_all(nodes, _locals(3, numel=big), 3)  # a first round among the three
             ahead = nodes[0].state()
             assert ahead[0] == 1 and all(n.state() == ahead for n in nodes)
-            late = await _node(
-                net,
-                directory,
-                "peer-late",
-                services,
-                initial=np.zeros(big, np.float32),
-                codec="fp32",
-            )
+            late = await _late_node(net, directory, services, big)
 
             chunks_from: dict[str, int] = {}
 
@@ -1203,9 +1205,7 @@ async def _copy_swarm(
     ahead = nodes[0].state()
     assert ahead[0] == 1 and all(node.state() == ahead for node in nodes)
     await trio.sleep(1.0)  # the members' attestations are published
-    late = await _node(
-        net, directory, "peer-late", services, initial=np.zeros(COPY_N, np.float32), codec="fp32"
-    )
+    late = await _late_node(net, directory, services, COPY_N)
     late.syncer.strikes = Strikes(clock=trio.current_time)
     await late.syncer.peers.refresh()
     return nodes, late, ahead, sf.donor_order(late.peer, [node.peer for node in nodes])
@@ -1258,14 +1258,7 @@ def test_a_donor_serves_the_state_before_its_last_round_to_a_joiner_one_round_la
                 assert (source is not None) == served, state
                 assert source is None or source.holds(*state)
             # a joiner asking for the state one round back gets every piece of it
-            late = await _node(
-                net,
-                directory,
-                "peer-late",
-                services,
-                initial=np.zeros(COPY_N, np.float32),
-                codec="fp32",
-            )
+            late = await _late_node(net, directory, services, COPY_N)
             got: list[sp.StateIndex] = []
 
             def seen(sender: str, to: str, msg: object) -> None:
