@@ -121,6 +121,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
@@ -518,8 +519,7 @@ class Matchmaker:
         self._deadline = float(now) + float(timeout)
         self._extended = False
         self._awaited = False  # peers are expected here that have not declared yet
-        self._past: set[str] = set()  # peers that said they are past this slot
-        self._past_steps: list[int] = []  # the steps they stated
+        self._past: dict[str, int] = {}  # peers that said they are past this slot: step
         self._state: State = "searching"
         # compatible peers known from the DHT, from hints and from requests, by rank
         self._ranks: dict[str, bytes] = {}
@@ -788,11 +788,11 @@ class Matchmaker:
             return []
         best = self._lowest()
         if best == self._id and self._left_behind():
-            steps = sorted(self._past_steps)
+            steps = [s for s in self._past.values() if s >= 0]
             return self._give_up(
                 f"{BEHIND}: {len(self._past)} peer(s) are past slot {self.me.slot} "
                 f"(version {self.me.version} here) and no other is expected",
-                swarm_step=steps[len(steps) // 2] if steps else -1,
+                swarm_step=statistics.median_high(steps) if steps else -1,
             )
         if best == self._id:
             if self._state != "leading":
@@ -913,10 +913,9 @@ class Matchmaker:
         self._quorum_at = None
         out.extend(self._release_held(self._deadline))
         if self._refused_at:
-            steps = sorted(self._refused_at)
-            swarm_step = steps[len(steps) // 2]
+            swarm_step = statistics.median_high(self._refused_at)
             reason = (
-                f"{OUT_OF_STEP}: refused by {len(steps)} peer(s) at step {swarm_step}, "
+                f"{OUT_OF_STEP}: refused by {len(self._refused_at)} peer(s) at step {swarm_step}, "
                 f"this node started at {self.me.step}; then {reason}"
             )
         out.append(Alone(reason, withdrawn, swarm_step))
@@ -1080,9 +1079,8 @@ class Matchmaker:
         ):
             self._refused_at.append(msg.step)
         if isinstance(msg.reason, str) and msg.reason.startswith(PAST_SLOT):
-            if sender not in self._past and _is_int(msg.step) and msg.step >= 0:
-                self._past_steps.append(msg.step)
-            self._past.add(sender)
+            stated = msg.step if _is_int(msg.step) and msg.step >= 0 else -1
+            self._past.setdefault(sender, stated)
         self._excluded.add(sender)
         self._held.pop(sender, None)
         if sender == self._target:

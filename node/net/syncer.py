@@ -341,9 +341,10 @@ class Syncer:
         self.lock = trio.Lock()
         """one engine call at a time"""
         self._sources: dict[int, sp.PieceSource] = {}
-        # each fragment's state before its last applied round (served to joiners too)
-        self._previous: dict[int, tuple[tuple[int, str], ss.FragmentState]] = {}
         """fragment -> the encoding served to joiners (newest last)"""
+        self._previous: dict[int, tuple[tuple[int, str], ss.FragmentState]] = {}
+        """fragment -> its (version, digest) and state before its last applied round
+        (served to joiners too)"""
         self._source_lock = trio.Lock()
         self.step = 0
         """the newest inner step this node reported (handed to peers that copy a state)"""
