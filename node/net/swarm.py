@@ -288,9 +288,11 @@ class _Node:
         done = report.done
         self.tally.record(report, self.engine.version(p))
         if done.rebased and done.state_step is not None:
-            swarm_step = max(self.status.swarm_step, done.state_step)
-            # before the outcome, on the same pipe: the trainer may jump to the swarm's step
-            self.post(swarm_step=swarm_step)
+            # the donors' median step now, before the outcome on the same pipe: the trainer
+            # may jump there. Not the highest step ever heard: one peer's counter ahead of
+            # the others' by whole periods would make every later jump skip syncs that the
+            # rest of the swarm still holds
+            self.post(swarm_step=done.state_step)
         elif done.swarm_step is not None:
             # its peers refused it as out of step: the trainer moves to their step, back
             # or forth (before the outcome, on the same pipe)
