@@ -576,9 +576,10 @@ async def run_matchmaking(
     extends the matchmaker's deadline by ``patience_s`` (once; see
     :class:`~atoll.protocol.matchmaking.Matchmaker`). ``banned``: the declarations of
     banned peers are left out and their requests to join unanswered. ``outdated``: asked
-    at every DHT view; a reason once the state ``me`` declared lost to another, and the
-    node then withdraws from the slot (:meth:`~atoll.protocol.matchmaking.Matchmaker.withdraw`)
-    instead of waiting out its deadline. ``hold``: called with the seconds left to the
+    at every DHT view and every ``poll_s`` besides (the board may not answer); a reason
+    once the state ``me`` declared lost to another, and the node then withdraws from the
+    slot (:meth:`~atoll.protocol.matchmaking.Matchmaker.withdraw`) instead of waiting out
+    its deadline. ``hold``: called with the seconds left to the
     deadline once the matchmaker waits with patience (peers due at the slot have not
     declared yet, or a leader took this node in), and with 0 when matchmaking ends: the
     trainer blocks meanwhile, so a node that runs ahead of the swarm falls back in step
@@ -641,16 +642,31 @@ async def run_matchmaking(
                     with trio.move_on_after(poll_s):
                         await stop.wait()
 
+            async def watch() -> None:
+                # the swarm's certified copy is checked on a clock of its own: right after
+                # a cut heals, the board's reads fail or wait out their bounds, and a sync
+                # that checked only on the board's answers sat out a whole matchmaking
+                # deadline at a slot the swarm had long left
+                while not stop.is_set():
+                    with trio.move_on_after(poll_s):
+                        await stop.wait()
+                    with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
+                        send_ch.send_nowait(("view", None))
+
             io.start_soon(announce)
             io.start_soon(poll)
+            if outdated is not None:
+                io.start_soon(watch)
 
-            def observe(decls: list[mm.Declaration], now: float) -> list[Any]:
+            def observe(decls: list[mm.Declaration] | None, now: float) -> list[Any]:
                 nonlocal holding, company
-                if view is not None:
+                if view is not None and decls is not None:
                     view(decls)
                 lost = outdated() if outdated is not None else None
                 if lost is not None:
                     return machine.withdraw(lost, now=now)
+                if decls is None:  # the clock's check only: nothing new from the board
+                    return []
                 declared = {d.peer_id for d in decls}
                 if not company:
                     company = any(

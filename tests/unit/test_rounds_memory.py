@@ -21,7 +21,7 @@ import trio
 
 from atoll.dht.records import ReadyRecord
 from atoll.node.net.memory import MemoryNetwork
-from atoll.node.net.rounds import Mailbox, fetch_state, serve_state
+from atoll.node.net.rounds import Mailbox, fetch_state, run_matchmaking, serve_state
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
@@ -94,6 +94,65 @@ def test_a_slot_joined_only_if_present_is_left_at_once_when_nobody_declared_it(
         assert 2.0 <= r.ended_at <= 2.0 + 2 * setup.poll_s < setup.matchmaking_s
         assert len({r.members for r in company.values()}) == 1
         assert all(r.done and len(r.members) == 3 for r in company.values())
+
+    h.run_mock(main)
+
+
+class _DeafBoard:
+    """A ready board whose every read fails (a DHT right after a cut heals): stores
+    succeed, lookups time out."""
+
+    def __init__(self, board: Any) -> None:
+        self.board = board
+
+    async def announce_ready(self, record: ReadyRecord, /) -> None:
+        await self.board.announce_ready(record)
+
+    async def find_ready(self, fragment: int, slot: int, /) -> list[ReadyRecord]:
+        await trio.sleep(0.3)
+        raise ExchangeTimeout("find_ready: no closest peer answered")
+
+
+def test_a_lost_copy_withdraws_on_the_clock_when_the_board_never_answers(
+    h: ModuleType,
+) -> None:
+    """The swarm's copy moved past this sync's (``outdated`` answers a reason from 2 s
+    on) while the board's reads all fail: the sync withdraws within a poll interval of
+    the answer, not at the matchmaking deadline."""
+    setup = h.RoundSetup(matchmaking_s=20.0)
+    asked: list[float] = []
+
+    def outdated() -> str | None:
+        asked.append(trio.current_time())
+        return "the swarm follows version 9" if trio.current_time() >= 2.0 else None
+
+    async def main() -> None:
+        async with MemoryNetwork.open(seed=3) as net:
+            transport = net.transport("peer-0")
+            mailbox = Mailbox(transport)
+            async with trio.open_nursery() as services:
+                services.start_soon(mailbox.run)
+                me = mm.Declaration(
+                    setup.run_id, setup.fragment, 7, "peer-0", 7, h.DIGEST, 10.0, net.wall()
+                )
+                found = await run_matchmaking(
+                    transport,
+                    mailbox,
+                    _DeafBoard(net.board),
+                    me,
+                    setup.group,
+                    timeout_s=setup.matchmaking_s,
+                    ttl_s=setup.ttl_s,
+                    wall=net.wall,
+                    poll_s=setup.poll_s,
+                    outdated=outdated,
+                )
+                ended = trio.current_time()
+                services.cancel_scope.cancel()
+        assert isinstance(found, mm.Alone) and found.withdrawn, found
+        assert "the swarm follows version 9" in found.reason
+        assert 2.0 <= ended <= 2.0 + 2 * setup.poll_s
+        assert len(asked) >= 4  # asked on the clock although no view ever came
 
     h.run_mock(main)
 
