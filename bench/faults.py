@@ -51,10 +51,14 @@ outside partitions; one copy at the end; no hang.
 The schedule lasts about 8 minutes (``--warmup-s 60 --fault-s 50 --recover-s 60``; the cut
 1.5 round timeouts, 60 s): a recovery phase holds about three rounds of each fragment.
 The nodes train ``--steps`` steps, by default enough for the schedule and 30 s more at
-``--step-rate`` steps per second (1.6: 4 nodes with their network processes on 2 idle
-cores); a phase the run did not reach is marked ``cut_short``.
+``--step-rate`` steps per second (2.4: the fastest seen of 4 nodes with their network
+processes on 2 idle cores, 1.4-2.3 on other days; a slower machine trains on past the
+schedule's end without faults, a faster one would leave the last phases without nodes
+and the end-of-run copies without the peers that left); a phase the run did not reach is
+marked ``cut_short``.
 After the last step every node settles (up to twice matchmaking plus round timeout), so a
-run takes the schedule, that and the start: about 11 minutes.
+run takes the schedule, that and the start: 11 minutes on a fast day, up to 18 on a
+slow one.
 """
 
 from __future__ import annotations
@@ -588,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-s", type=float, default=50.0)
     ap.add_argument("--recover-s", type=float, default=60.0)
     ap.add_argument("--steps", type=int, help="steps per node (default: from --step-rate)")
-    ap.add_argument("--step-rate", type=float, default=1.6, help="expected steps/s per node")
+    ap.add_argument("--step-rate", type=float, default=2.4, help="expected steps/s per node")
     ap.add_argument("--hang-s", type=float, help="default: the end-of-run settle bound + 120")
     ap.add_argument("--wanlab", help="path of the wanlab tool (its lab must be up)")
     ap.add_argument("--workdir", help="keep the nodes' files and logs here")
