@@ -549,15 +549,22 @@ class FragmentSync:
             only_if_present,
         )
 
-    def outdated(self, holdings: Iterable[Holding]) -> tuple[int, str] | None:
+    def outdated(
+        self, holdings: Iterable[Holding], *, declared: tuple[int, str] | None = None
+    ) -> tuple[int, str] | None:
         """While matching: the leading state of ``holdings`` when it is not the one this
         sync declared (the rebase rule would copy it), else None. A pure query: the
         driver polls it during matchmaking and withdraws from the slot when it answers
-        (a split's losing side learns it lost while it waits at its slot)."""
-        request = self._request
-        if self._phase != "matching" or request is None:
-            return None
-        mine = (request.round, self._digest)
+        (a split's losing side learns it lost while it waits at its slot). ``declared``:
+        the (version, digest) of a declaration made before the sync began (a group
+        formed ahead of it), asked in any phase."""
+        if declared is not None:
+            mine = declared
+        else:
+            request = self._request
+            if self._phase != "matching" or request is None:
+                return None
+            mine = (request.round, self._digest)
         others = [h for h in holdings if h[0] != self.peer_id]
         if not others or not ss.should_rebase(self.peer_id, mine, others, believes=self._believes):
             return None

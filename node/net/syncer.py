@@ -918,13 +918,16 @@ class Syncer:
     async def _run_ahead(self, p: int, ahead: _Ahead) -> None:
         with ahead.scope:
             try:
-                # an idle machine: outdated() answers nothing before the sync (the sync's
-                # own plan looks at the swarm's states again), and nothing is held
+                # the machine is idle: the declaration made ahead is checked against the
+                # swarm's copy on its own (a lost copy leaves the slot at once, and the
+                # sync's own plan then copies the winner instead of waiting out this
+                # matchmaking's patience), and nothing is held
                 ahead.found = await self._find_group(
                     self._machine(p),
                     ahead.declaration,
                     ahead.seen,
                     hold=functools.partial(self._hold_ahead, ahead),
+                    formed_ahead=True,
                 )
             finally:
                 ahead.ended_at = trio.current_time()
@@ -1013,12 +1016,15 @@ class Syncer:
         *,
         only_if_present: bool = False,
         hold: Callable[[float], None] | None = None,
+        formed_ahead: bool = False,
     ) -> mm.Formed | mm.Alone:
         """Matchmaking for ``me``'s slot. ``only_if_present`` (a slot the sync moved to
         after a rebase, see :class:`~atoll.protocol.sync.FindGroup`): no patience and no
         hold of the trainer, and the node leaves the slot when nobody else has declared
         it within the answer bound. ``hold``: instead of :attr:`on_hold` (a group formed
-        ahead of the sync, whose trainer is not held before its sync step)."""
+        ahead of the sync, whose trainer is not held before its sync step).
+        ``formed_ahead``: ``me`` was declared before the sync began (the machine is idle):
+        the check for a lost copy compares ``me`` itself."""
 
         def on_view(decls: list[mm.Declaration]) -> None:
             for d in decls:
@@ -1032,7 +1038,8 @@ class Syncer:
             mine = (me.version, me.digest)
             known = self._known(me.fragment, seen)
             self._certify_soon(me.fragment, known, mine)
-            lead = machine.outdated(self.peers.believed(me.fragment, known, mine))
+            believed = self.peers.believed(me.fragment, known, mine)
+            lead = machine.outdated(believed, declared=mine if formed_ahead else None)
             if lead is None:
                 return None
             return f"the swarm follows version {lead[0]} ({lead[1][:12]}), not this one"

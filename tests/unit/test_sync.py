@@ -372,6 +372,20 @@ def test_outdated_names_the_winning_copy_only_while_matching() -> None:
     assert doubter.outdated([ahead]) is None
 
 
+def test_outdated_checks_a_declaration_made_ahead_in_any_phase() -> None:
+    """A group formed ahead of the sync declares before the machine begins: with
+    ``declared`` the check compares that declaration, idle or not."""
+    engine = _engine()
+    other, fork = _fork()
+    sync = _sync(engine)
+    mine = (engine.version(0), engine.digest(0))
+    assert sync.outdated(fork) is None  # idle: nothing of its own declared
+    assert sync.outdated(fork, declared=mine) == (0, other.digest(0))
+    assert sync.outdated([(ME, *mine)], declared=mine) is None  # its own row only
+    _, ahead = _ahead()
+    assert sync.outdated([ahead], declared=mine) == ahead[1:]
+
+
 def test_withdrawn_from_a_losing_copy_the_peer_offers_its_delta_at_the_winner() -> None:
     """The split's losing side left its slot early: it copies the winning copy of the same
     version and declares the same slot again on it, with the same pseudo-gradient."""

@@ -1435,6 +1435,42 @@ def test_a_group_formed_ahead_makes_the_sync_cost_the_exchange_alone() -> None:
     _run(main)
 
 
+def test_a_group_formed_ahead_on_a_losing_copy_leaves_its_slot_before_the_sync() -> None:
+    """After a 2|2 split heals, every node forms its next group ahead of the sync on the
+    copy it holds. The losing side's matchmaking ahead learns that the swarm follows the
+    other copy and leaves the slot within seconds (before, an idle machine answered no
+    such check, and it waited out its patience); the next sync then puts all four on
+    one copy."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            await _sync_nodes(nodes, 3, 0)
+            net.partition([n.peer for n in nodes[:2]], [n.peer for n in nodes[2:]])
+            for k in range(2):
+                await _sync_nodes(nodes, 7 + 4 * k, 1 + k)
+            assert len({n.state() for n in nodes}) == 2
+            net.heal()
+            for n in nodes:
+                await n.syncer.peers.refresh()
+                assert n.syncer.prepare(0, 15)
+            started = trio.current_time()
+            await trio.sleep(TIMEOUTS.matchmaking_s / 2)
+            left = [n for n in nodes if n.syncer._ahead[0].done.is_set()]
+            assert len(left) == 2, [n.syncer._ahead[0].found for n in nodes]
+            for n in left:
+                found = n.syncer._ahead[0].found
+                assert isinstance(found, mm.Alone) and found.withdrawn, found
+                assert "the swarm follows version 3" in found.reason
+                assert n.syncer._ahead[0].ended_at - started < TIMEOUTS.matchmaking_s / 2
+            await _sync_all(nodes, _locals(4, seed=3), 15)
+            assert len({n.state() for n in nodes}) == 1, [n.report.done for n in nodes]  # type: ignore[union-attr]
+            assert all(n.report.done.applied for n in nodes)  # type: ignore[union-attr]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> None:
     """A group formed ahead, then one member's sync declares another step (its group is
     not for that sync): it tells the others, whose round fails at once rather than at the
