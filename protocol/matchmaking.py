@@ -519,6 +519,8 @@ class Matchmaker:
         self._deadline = float(now) + float(timeout)
         self._extended = False
         self._awaited = False  # peers are expected here that have not declared yet
+        # a group formed ahead of its sync: the leader waits for these before it forms
+        self._open_for: frozenset[str] = frozenset()
         self._past: dict[str, int] = {}  # peers that said they are past this slot: step
         self._state: State = "searching"
         # compatible peers known from the DHT, from hints and from requests, by rank
@@ -597,7 +599,7 @@ class Matchmaker:
             return self._start
         at = self._deadline
         if self._state == "leading":
-            if self._quorum_at is not None:
+            if self._quorum_at is not None and not self._held_open():
                 at = min(at, self._quorum_at + self.settings.grace_s)
             if self._accepted:
                 at = min(at, self._keepalive_at)
@@ -645,6 +647,25 @@ class Matchmaker:
             self._awaited = True
             self._extend()
         return out
+
+    def hold_open(self, peers: Iterable[str], *, now: float) -> list[Action]:
+        """A group formed ahead of its sync: its trainers have not reached the sync step
+        yet, so a leader that could form (quorum and grace) waits instead for ``peers``,
+        the peers expected at this slot, until each is a member or out of the slot. A
+        peer that arrives a little late (one that copied the swarm's state and joins its
+        slot) then lands in the group instead of finding it closed, at no cost to the
+        others. Called again with no peers when the sync begins: the leader forms as
+        usual. The deadline still holds."""
+        out = self.tick(now)
+        if self._state in ("formed", "alone"):
+            return out
+        self._open_for = frozenset(p for p in peers if p != self._id)
+        out.extend(self._maybe_form(now))
+        return out
+
+    def _held_open(self) -> bool:
+        """Whether a peer this leader holds its group open for is not in yet."""
+        return any(p not in self._accepted and p not in self._excluded for p in self._open_for)
 
     def withdraw(self, reason: str, *, now: float) -> list[Action]:
         """Leave the slot before the deadline: the state this peer declared lost to
@@ -845,6 +866,8 @@ class Matchmaker:
         if 1 + len(self._accepted) >= self.settings.max_size:
             return self._form()
         if self._quorum_at is not None and now >= self._quorum_at + self.settings.grace_s:
+            if self._held_open():
+                return []
             return self._form()
         return []
 

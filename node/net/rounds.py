@@ -558,6 +558,7 @@ async def run_matchmaking(
     step_period: int = 0,
     max_step_lag: int = 0,
     alone_unless_seen_s: float | None = None,
+    open_until: trio.Event | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -588,6 +589,9 @@ async def run_matchmaking(
     ``alone_unless_seen_s``: the node withdraws from the slot at the first DHT view after
     that many seconds unless some view showed another peer's compatible declaration (a
     slot joined only when somebody is there; see :class:`~atoll.protocol.sync.FindGroup`).
+    ``open_until``: a group formed ahead of its sync; until the event is set (the sync
+    began), a leader that could form waits for the peers ``expected`` names
+    (:meth:`~atoll.protocol.matchmaking.Matchmaker.hold_open`).
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
@@ -653,10 +657,18 @@ async def run_matchmaking(
                     with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
                         send_ch.send_nowait(("view", None))
 
+            async def opened() -> None:
+                assert open_until is not None
+                await open_until.wait()  # the sync began: the leader may form now
+                with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
+                    send_ch.send_nowait(("view", None))
+
             io.start_soon(announce)
             io.start_soon(poll)
-            if outdated is not None:
+            if outdated is not None or open_until is not None:
                 io.start_soon(watch)
+            if open_until is not None:
+                io.start_soon(opened)
 
             def observe(decls: list[mm.Declaration] | None, now: float) -> list[Any]:
                 nonlocal holding, company
@@ -665,8 +677,12 @@ async def run_matchmaking(
                 lost = outdated() if outdated is not None else None
                 if lost is not None:
                     return machine.withdraw(lost, now=now)
+                out: list[Any] = []
+                if open_until is not None:
+                    waited = () if open_until.is_set() or expected is None else expected()
+                    out.extend(machine.hold_open(waited, now=now))
                 if decls is None:  # the clock's check only: nothing new from the board
-                    return []
+                    return out
                 declared = {d.peer_id for d in decls}
                 if not company:
                     company = any(
@@ -678,7 +694,7 @@ async def run_matchmaking(
                     decls = [d for d in decls if not liveness.suspected(d.peer_id, now)]
                 if banned is not None:
                     decls = [d for d in decls if not banned(d.peer_id)]
-                out = machine.resize(settings_of(), now=now)
+                out.extend(machine.resize(settings_of(), now=now))
                 if expected is not None:
                     due = [p for p in expected() if p not in declared]
                     out.extend(machine.expect(due, now=now))

@@ -249,6 +249,9 @@ class _Ahead:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     hold_until: float | None = None
     """while its matchmaking waits with patience for peers due at the slot: until when"""
+    started: trio.Event = field(default_factory=trio.Event)
+    """set when the sync takes the group (or it is dropped): until then a leader holds
+    the group open for the peers due at the slot"""
 
 
 class Syncer:
@@ -928,6 +931,7 @@ class Syncer:
                     ahead.seen,
                     hold=functools.partial(self._hold_ahead, ahead),
                     formed_ahead=True,
+                    open_until=ahead.started,
                 )
             finally:
                 ahead.ended_at = trio.current_time()
@@ -957,6 +961,7 @@ class Syncer:
         alone before the sync began. While it waits with patience the trainer is held, as
         a sync's own matchmaking holds it."""
         p = ahead.declaration.fragment
+        ahead.started.set()  # a leader holding the group open forms it now
         held = self.on_hold is not None and ahead.hold_until is not None
         if held:
             assert self.on_hold is not None and ahead.hold_until is not None
@@ -978,6 +983,7 @@ class Syncer:
         this node leaves it (their round fails at once instead of at its deadline)."""
         if self._ahead.get(p) is ahead:
             del self._ahead[p]
+        ahead.started.set()
         ahead.scope.cancel()
         found = ahead.found
         if not isinstance(found, mm.Formed) or self.background is None:
@@ -1017,6 +1023,7 @@ class Syncer:
         only_if_present: bool = False,
         hold: Callable[[float], None] | None = None,
         formed_ahead: bool = False,
+        open_until: trio.Event | None = None,
     ) -> mm.Formed | mm.Alone:
         """Matchmaking for ``me``'s slot. ``only_if_present`` (a slot the sync moved to
         after a rebase, see :class:`~atoll.protocol.sync.FindGroup`): no patience and no
@@ -1024,7 +1031,8 @@ class Syncer:
         it within the answer bound. ``hold``: instead of :attr:`on_hold` (a group formed
         ahead of the sync, whose trainer is not held before its sync step).
         ``formed_ahead``: ``me`` was declared before the sync began (the machine is idle):
-        the check for a lost copy compares ``me`` itself."""
+        the check for a lost copy compares ``me`` itself. ``open_until``: see
+        :func:`~atoll.node.net.rounds.run_matchmaking`."""
 
         def on_view(decls: list[mm.Declaration]) -> None:
             for d in decls:
@@ -1069,6 +1077,7 @@ class Syncer:
             outdated=outdated,
             hold=hold,
             alone_unless_seen_s=answer_bound(self.timeouts) if only_if_present else None,
+            open_until=open_until,
             step_period=self.engine.config.H,
             max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
         )

@@ -893,6 +893,37 @@ def test_an_expected_peer_extends_the_deadline_once_by_the_patience() -> None:
     assert outcome(out) == [Formed(tuple(by_rank([lead, a])), lead, m.key)]
 
 
+def test_a_group_held_open_ahead_waits_for_its_expected_peers_until_the_sync() -> None:
+    """A leader forming ahead of its sync has its quorum and its grace is over, but a
+    peer expected at the slot is not in yet: it waits for that peer (which lands in
+    the group), and forms at once when told the sync began; the deadline still holds."""
+    lead, a, late = by_rank(peers(3))
+    g = GroupSettings(2, 8, 1.0)
+    m = Matchmaker(decl(lead), g, now=0.0, timeout=6.0)
+    m.observe([decl(lead), decl(a)], now=0.0)
+    m.receive(request(decl(a)), now=0.0)
+    assert outcome(m.hold_open([lead, a, late], now=0.5)) == []  # itself and a: no wait
+    assert outcome(m.tick(2.0)) == []  # quorum at 0, grace 1: held open for `late`
+    m.observe([decl(lead), decl(a), decl(late)], now=2.5)
+    out = m.receive(request(decl(late)), now=2.5)  # the last one in: formed at once
+    assert outcome(out) == [Formed(tuple(by_rank([lead, a, late])), lead, m.key)]
+    # the sync begins before the late peer comes: formed with those in
+    n = Matchmaker(decl(lead), g, now=0.0, timeout=6.0)
+    n.observe([decl(lead), decl(a)], now=0.0)
+    n.receive(request(decl(a)), now=0.0)
+    n.hold_open([late], now=0.5)
+    assert outcome(n.tick(3.0)) == []
+    out = n.hold_open((), now=3.5)
+    assert outcome(out) == [Formed(tuple(by_rank([lead, a])), lead, n.key)]
+    # nobody tells it: the deadline forms it
+    o = Matchmaker(decl(lead), g, now=0.0, timeout=6.0)
+    o.observe([decl(lead), decl(a)], now=0.0)
+    o.receive(request(decl(a)), now=0.0)
+    o.hold_open([late], now=0.5)
+    assert outcome(o.tick(5.9)) == []
+    assert outcome(o.tick(6.0)) == [Formed(tuple(by_rank([lead, a])), lead, o.key)]
+
+
 def test_a_peer_already_known_or_out_of_the_slot_extends_nothing() -> None:
     lead, a = by_rank(peers(2))
     m = Matchmaker(decl(lead), GroupSettings(2, 8, 1.0), now=0.0, timeout=6.0, patience=6.0)

@@ -1471,6 +1471,41 @@ def test_a_group_formed_ahead_on_a_losing_copy_leaves_its_slot_before_the_sync()
     _run(main)
 
 
+def test_a_group_formed_ahead_waits_for_a_peer_one_version_behind_until_the_sync() -> None:
+    """Three nodes form fragment 0's next group ahead of the sync; the fourth missed a
+    round, so its sync first copies the state and only then declares the slot, after the
+    three could have closed their group. The leader holds the group open for it (it is
+    expected at the slot) until the syncs begin: all four average together."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            await _sync_nodes(nodes[:3], 3, 0)  # node 3 misses the round of version 0
+            assert nodes[3].state()[0] == 0 and nodes[0].state()[0] == 1
+            for n in nodes[:3]:
+                await n.syncer.peers.refresh()
+                assert n.syncer.prepare(0, 7)
+            await trio.sleep(TRAIN_S)
+            locals_ = _locals(4, seed=1)
+
+            async def later(n: Node, local: np.ndarray) -> None:
+                await trio.sleep(TIMEOUTS.matchmaking_s / 2)
+                await _sync(n, local, 7)
+
+            async with trio.open_nursery() as syncs:
+                syncs.start_soon(_sync, nodes[3], locals_[3], 7)
+                for n, local in zip(nodes[:3], locals_[:3], strict=True):
+                    syncs.start_soon(later, n, local)
+            reports = [n.report for n in nodes]
+            assert all(r.done.applied for r in reports), reports  # type: ignore[union-attr]
+            assert all(len(r.done.members) == 4 for r in reports), reports  # type: ignore[union-attr]
+            assert all(r.ahead for r in reports[:3])  # type: ignore[union-attr]
+            assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> None:
     """A group formed ahead, then one member's sync declares another step (its group is
     not for that sync): it tells the others, whose round fails at once rather than at the
