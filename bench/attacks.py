@@ -93,10 +93,10 @@ max_size = {args.nodes}
 grace_s = 3.0
 
 [timeouts]
-matchmaking_s = 10.0
-part_s = 12.0
-round_s = 25.0
-apply_wait_s = 3.0
+matchmaking_s = {10.0 * args.timeout_scale}
+part_s = {12.0 * args.timeout_scale}
+round_s = {25.0 * args.timeout_scale}
+apply_wait_s = {3.0 * args.timeout_scale}
 """
     if mode == "robust":
         text += '\n[robust]\nrule = "trimmed_mean"\nchecks = true\nverify_owners = true\n'
@@ -135,6 +135,8 @@ def run_swarm(
     run.write_text(manifest(args, mode))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("ATOLL_ATTACK", None)
+    if args.slowdown > 1.0:  # every trainer leaves the cores to the network processes
+        env["ATOLL_SLOWDOWN"] = str(args.slowdown)
     addr_file = work / "bootstrap.addr"
     boot = _start(
         [
@@ -348,6 +350,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="micro")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-timeout-s", type=float, default=300.0)
+    ap.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="every node sleeps (S - 1) times each step's compute time (ATOLL_SLOWDOWN): "
+        "on a machine with fewer cores than node processes, the network processes then "
+        "get the CPU they need",
+    )
+    ap.add_argument(
+        "--timeout-scale",
+        type=float,
+        default=1.0,
+        help="multiply the manifest's timeouts (a loaded machine)",
+    )
     ap.add_argument("--workdir", help="keep the nodes' files and logs here")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument(
@@ -395,7 +411,17 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
         "config": {
             k: getattr(args, k)
-            for k in ("nodes", "attackers", "steps", "H", "preset", "seed", "modes")
+            for k in (
+                "nodes",
+                "attackers",
+                "steps",
+                "H",
+                "preset",
+                "seed",
+                "modes",
+                "slowdown",
+                "timeout_scale",
+            )
         },
         "wall_s": round(time.time() - t0, 1),
         "runs": runs,
