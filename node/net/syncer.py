@@ -930,7 +930,6 @@ class Syncer:
                     ahead.declaration,
                     ahead.seen,
                     hold=functools.partial(self._hold_ahead, ahead),
-                    formed_ahead=True,
                     open_until=ahead.started,
                 )
             finally:
@@ -1022,7 +1021,6 @@ class Syncer:
         *,
         only_if_present: bool = False,
         hold: Callable[[float], None] | None = None,
-        formed_ahead: bool = False,
         open_until: trio.Event | None = None,
     ) -> mm.Formed | mm.Alone:
         """Matchmaking for ``me``'s slot. ``only_if_present`` (a slot the sync moved to
@@ -1030,9 +1028,10 @@ class Syncer:
         hold of the trainer, and the node leaves the slot when nobody else has declared
         it within the answer bound. ``hold``: instead of :attr:`on_hold` (a group formed
         ahead of the sync, whose trainer is not held before its sync step).
-        ``formed_ahead``: ``me`` was declared before the sync began (the machine is idle):
-        the check for a lost copy compares ``me`` itself. ``open_until``: see
-        :func:`~atoll.node.net.rounds.run_matchmaking`."""
+        ``open_until``: a group formed ahead of the sync (see
+        :func:`~atoll.node.net.rounds.run_matchmaking`); ``me`` was declared before the
+        sync began and the machine is idle, so the check for a lost copy compares ``me``
+        itself."""
 
         def on_view(decls: list[mm.Declaration]) -> None:
             for d in decls:
@@ -1047,7 +1046,8 @@ class Syncer:
             known = self._known(me.fragment, seen)
             self._certify_soon(me.fragment, known, mine)
             believed = self.peers.believed(me.fragment, known, mine)
-            lead = machine.outdated(believed, declared=mine if formed_ahead else None)
+            ahead = open_until is not None  # declared before the sync: compare ``me``
+            lead = machine.outdated(believed, declared=mine if ahead else None)
             if lead is None:
                 return None
             return f"the swarm follows version {lead[0]} ({lead[1][:12]}), not this one"
