@@ -24,6 +24,8 @@ last sync of every fragment, bytes up and down, and the time spent waiting on th
 network; ``--progress jsonl`` writes the same as JSON lines to stdout (for ``atoll demo``
 and scripts). Ctrl+C (SIGINT) or SIGTERM stops after the current step: the network
 process is told to shut down (bounded), the summary is printed and written, exit 0.
+SIGUSR1 finishes the run after the current step as its last step would (the fragments
+settle first).
 """
 
 from __future__ import annotations
@@ -139,10 +141,16 @@ def settle_timeout_s(timeouts: Timeouts) -> float:
 
 
 class _Stop:
-    """Catches SIGINT/SIGTERM while the node runs: the loop stops after its step."""
+    """Catches SIGINT/SIGTERM while the node runs: the loop stops after its step, and the
+    node leaves. SIGUSR1 asks it to finish instead: the run ends after this step as if
+    its last step were reached (the rounds in flight finish, every fragment settles onto
+    the swarm's copy, the summary says ``SIGUSR1``), for a script that ends a run of
+    nodes at a time of its choosing rather than at a step count."""
 
     def __init__(self) -> None:
         self.by = ""
+        self.finish = ""
+        """the signal that asked the run to finish (the loop ends; not a leave)"""
         self.on_stop: Callable[[], None] | None = None
         """called in the signal handler (the bridge's interrupt: a wait returns at once)"""
 
@@ -156,7 +164,13 @@ class _Stop:
             if self.on_stop is not None:
                 self.on_stop()
 
+        def finish(signum: int, _frame: FrameType | None) -> None:
+            if not self.finish:
+                self.finish = signal.Signals(signum).name
+                logger.warning("%s: finishing the run after this step", self.finish)
+
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, finish)
         try:
             yield
         finally:
@@ -359,7 +373,7 @@ def _train(
     lag_allowed = schedule.H
     behind = False
     realign_to = -1  # its peers refused this node as out of step: their step
-    while run.step < run.end and not stop.by:
+    while run.step < run.end and not stop.by and not stop.finish:
         if realign_to >= 0 and realign_to != run.step:
             run.realign(realign_to, extend=bool(cfg.steps))
         elif jump_to > run.step + (0 if behind else lag_allowed):
@@ -445,7 +459,7 @@ def _train(
         eval_loss=eval_loss,
         ddp_bytes=ddp_step * len(run.losses),
         waits_run_out=loop.stats.waits_run_out,
-        stopped_by=stop.by or "steps",
+        stopped_by=stop.by or stop.finish or "steps",
         global_digest=_digest(shared),
         log_every=cfg.log_every,
         settled=settled,

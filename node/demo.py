@@ -228,8 +228,14 @@ def stop_process(proc: subprocess.Popen[str], timeout_s: float) -> None:
             proc.wait(5)
 
 
-def run_demo(cfg: DemoConfig, out: TextIO = sys.stderr) -> dict[str, Any]:
-    """Run the demo swarm; returns the summary (also what ``--json`` writes)."""
+def run_demo(
+    cfg: DemoConfig, out: TextIO = sys.stderr, finish: threading.Event | None = None
+) -> dict[str, Any]:
+    """Run the demo swarm; returns the summary (also what ``--json`` writes).
+
+    ``finish``, once set, asks every node to finish its run at its current step (SIGUSR1:
+    the fragments settle and each node reports as at its last step), for a caller that
+    ends the run at a time rather than at ``cfg.steps``."""
     tmp = None
     if cfg.workdir:
         work = Path(cfg.workdir)
@@ -289,8 +295,16 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stderr) -> dict[str, Any]:
             child = _Child(f"node{i}", proc, log)
             threading.Thread(target=_read_lines, args=(child,), daemon=True).start()
             children.append(child)
+        asked = False
         while any(c.proc.poll() is None for c in children):
-            time.sleep(cfg.refresh_s)
+            if finish is None or asked:
+                time.sleep(cfg.refresh_s)
+            elif finish.wait(cfg.refresh_s):
+                asked = True
+                for c in children:
+                    if c.proc.poll() is None:
+                        c.proc.send_signal(signal.SIGUSR1)
+                continue
             print(f"\n[{time.monotonic() - t0:6.0f} s]\n{_table(children)}", file=out, flush=True)
     except KeyboardInterrupt:
         interrupted = True

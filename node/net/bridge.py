@@ -63,9 +63,9 @@ Errors (added to the tree of :mod:`atoll.protocol.errors`)::
         ├── NetworkStartError the process did not start and report ready in time
         └── NetworkProcessDied the process exited while the bridge was open
 
-The process is a daemon child that ignores SIGINT (the trainer decides when it stops); it
-exits on ``shutdown`` or when the trainer's end of the command pipe closes (the trainer
-died). Shared memory is created and unlinked by the trainer; the child only attaches.
+The process is a daemon child that ignores SIGINT and SIGUSR1 (the trainer decides when
+it stops); it exits on ``shutdown`` or when the trainer's end of the command pipe closes
+(the trainer died). Shared memory is created and unlinked by the trainer; the child only attaches.
 """
 
 from __future__ import annotations
@@ -456,7 +456,10 @@ def _child_main(
     log_level: int,
 ) -> None:
     """Entry point of the network process (spawned)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when this stops
+    # the trainer decides when this stops (a Ctrl+C or a finish request sent to the whole
+    # process group is the trainer's)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format="%(asctime)s net[%(process)d] %(name)s %(levelname)s %(message)s"
     )

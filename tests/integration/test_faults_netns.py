@@ -10,8 +10,10 @@ round's ``slot/leader``):
 2. node 3 is cut silently (no RST, no ICMP) for longer than the round timeout: the other
    three must still apply rounds meanwhile; then it is healed and must rejoin (a round it
    shares with another node);
-3. a 2|2 partition (the bootstrap with nodes 0 and 1), then healed: every node must end
-   on one global copy (``global_digest``), and every process must exit 0.
+3. a 2|2 partition (the bootstrap with nodes 0 and 1), then healed; the nodes train on
+   for a while and are then asked to finish (SIGUSR1: at a time, not a step count, so
+   that a fast machine does not end the run before the faults are over): every node must
+   end on one global copy (``global_digest``), and every process must exit 0.
 
 Each step waits on what the logs show, with deadlines. Skipped, with the reason, where
 the lab cannot be built.
@@ -50,7 +52,8 @@ ROUND_S = 40.0 * SCALE
 CUT_S = 1.5 * ROUND_S  # at least; longer until the others applied 2 rounds (at most 60 s)
 PARTITION_S = 20.0  # at least; longer until each side applied a round (at most 60 s)
 TAIL_S = 30.0  # the nodes must train on at least this long after the partition heals
-STEPS = 300  # the schedule (about 100 s of training on 2 idle cores) plus a tail
+FINISH_S = TAIL_S + 15.0  # then they are asked to finish
+STEPS = 3000  # more than the schedule takes on any machine: the schedule ends the run
 H = 24  # a sync every 8 steps (3 fragments)
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
@@ -96,13 +99,18 @@ class Schedule(threading.Thread):
         self.error: BaseException | None = None
         self.done = threading.Event()
         """set when the demo returned"""
+        self.finish = threading.Event()
+        """set when the nodes are to finish their run (the schedule is over, or failed)"""
 
     def run(self) -> None:
         try:
             self._run()
+            self._until(lambda: time.time() - self.marks["healed"] >= FINISH_S, 60, "the tail")
         except BaseException as e:
             self.error = e
             self.lab.heal_all()
+        finally:
+            self.finish.set()
 
     def _until(self, cond: Callable[[], bool], timeout_s: float, what: str) -> bool:
         """Wait for ``cond`` (polling the logs); False when ``timeout_s`` ran out.
@@ -205,7 +213,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         schedule = Schedule(lab, work)
         schedule.start()
         try:
-            summary = run_demo(cfg, out=io.StringIO())
+            summary = run_demo(cfg, out=io.StringIO(), finish=schedule.finish)
         finally:
             schedule.done.set()
             schedule.join(30)

@@ -279,6 +279,32 @@ def test_ctrl_c_stops_a_node_cleanly_within_seconds(local_swarm: Any) -> None:
     assert "Traceback" not in node.stderr()
 
 
+def test_a_finish_request_ends_a_run_with_every_fragment_settled(local_swarm: Any) -> None:
+    """SIGUSR1 ends a run at a time of the caller's choosing, not a step count: unlike
+    Ctrl+C (a leave), the nodes finish as at their last step, settle every fragment onto
+    the swarm's copy, and report the same global copy."""
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    run = swarm.write_manifest("run", swarm.manifest())
+    nodes = [swarm.start_node(f"n{i}", run, steps=100_000, wait_peers=1) for i in range(2)]
+
+    def synced() -> bool:
+        assert all(n.proc.poll() is None for n in nodes), [n.tail() for n in nodes]
+        return all(n.progress.get("step", 0) >= 25 for n in nodes)
+
+    swarm.wait_until(synced, 300, lambda: "\n".join(n.tail() for n in nodes))
+    for n in nodes:
+        n.proc.send_signal(signal.SIGUSR1)
+    for n in nodes:
+        assert n.wait(120) == 0, n.tail()
+        assert n.summary is not None and n.summary["stopped_by"] == "SIGUSR1", n.tail()
+        assert n.summary["settled"], n.tail()
+        assert n.summary["steps"] < 100_000
+        assert "end of run" in n.stderr() and "Traceback" not in n.stderr()
+    assert nodes[0].summary["global_digest"] == nodes[1].summary["global_digest"]
+    swarm.agreeing_rounds(nodes)
+
+
 def test_atoll_demo_runs_a_small_swarm_and_writes_its_summary(tmp_path: Any) -> None:
     out = tmp_path / "demo.json"
     done = subprocess.run(
