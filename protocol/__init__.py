@@ -20,6 +20,8 @@ Map of the modules:
   back (the only caller of the engine's deliver, skip and import)
 - ``streaming``  the trainer-side loop: which fragment is due, apply at t+τ, merge
 - ``liveness``   which peers answer: suspicion holds from failed requests
+- ``held``       where peers' trainers are held at a slot (so that no two waits wait on
+  each other)
 - ``robust``     robust aggregation at a chunk's owner: trimmed mean, centered clipping
 - ``checks``     a part's norm and token weight against its group's, before reduction
 - ``certificate`` members' attestations of a committed state, certificates, believed states

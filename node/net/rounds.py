@@ -559,6 +559,7 @@ async def run_matchmaking(
     max_step_lag: int = 0,
     alone_unless_seen_s: float | None = None,
     open_until: trio.Event | None = None,
+    held_elsewhere: Callable[[str], bool] | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -591,7 +592,12 @@ async def run_matchmaking(
     slot joined only when somebody is there; see :class:`~atoll.protocol.sync.FindGroup`).
     ``open_until``: a group formed ahead of its sync; until the event is set (the sync
     began), a leader that could form waits for the peers ``expected`` names
-    (:meth:`~atoll.protocol.matchmaking.Matchmaker.hold_open`).
+    (:meth:`~atoll.protocol.matchmaking.Matchmaker.hold_open`). ``held_elsewhere``:
+    whether a peer's trainer is held now at another fragment's slot
+    (:mod:`atoll.protocol.held`); when every peer this slot still waits for is, the
+    trainer is let go (``hold(0)``) while the matchmaker keeps waiting for them: they
+    cannot come before their own waits end, and the trainer's next slots may be where
+    they wait for this node.
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
@@ -612,6 +618,8 @@ async def run_matchmaking(
     mailbox.open(key, send_ch)
     stop = trio.Event()
     holding = False
+    released = False  # the trainer was let go: the peers awaited are held elsewhere
+    awaited: list[str] = []  # the peers due at the slot that have not declared
     mine = mm.compat_key(me)
     company = alone_unless_seen_s is None  # somebody else declared the slot
     try:
@@ -665,13 +673,33 @@ async def run_matchmaking(
 
             io.start_soon(announce)
             io.start_soon(poll)
-            if outdated is not None or open_until is not None:
+            if outdated is not None or open_until is not None or held_elsewhere is not None:
                 io.start_soon(watch)
             if open_until is not None:
                 io.start_soon(opened)
 
+            def let_go() -> None:
+                # every peer still awaited is held at another fragment's slot: none comes
+                # before its own wait ends, which may be a wait for this node
+                nonlocal holding, released
+                if not holding or released or held_elsewhere is None or not awaited:
+                    return
+                if machine.state in ("formed", "alone"):
+                    return
+                if all(held_elsewhere(p) for p in awaited):
+                    assert hold is not None
+                    holding, released = False, True
+                    logger.info(
+                        "fragment %d slot %d: the peers due here (%s) are held at other "
+                        "fragments' slots; the trainer trains on, the slot stays open",
+                        me.fragment,
+                        me.slot,
+                        ", ".join(p[-6:] for p in awaited),
+                    )
+                    hold(0.0)
+
             def observe(decls: list[mm.Declaration] | None, now: float) -> list[Any]:
-                nonlocal holding, company
+                nonlocal holding, company, awaited
                 if view is not None and decls is not None:
                     view(decls)
                 lost = outdated() if outdated is not None else None
@@ -682,6 +710,7 @@ async def run_matchmaking(
                     waited = () if open_until.is_set() or expected is None else expected()
                     out.extend(machine.hold_open(waited, now=now))
                 if decls is None:  # the clock's check only: nothing new from the board
+                    let_go()
                     return out
                 declared = {d.peer_id for d in decls}
                 if not company:
@@ -697,12 +726,14 @@ async def run_matchmaking(
                 out.extend(machine.resize(settings_of(), now=now))
                 if expected is not None:
                     due = [p for p in expected() if p not in declared]
+                    awaited = [p for p in due if p != me.peer_id]
                     out.extend(machine.expect(due, now=now))
                 out.extend(machine.observe(decls, now=now))
                 waiting = machine.state not in ("formed", "alone")
-                if hold is not None and machine.extended and waiting and not holding:
+                if hold is not None and machine.extended and waiting and not (holding or released):
                     holding = True
                     hold(max(0.0, machine.deadline - now))
+                let_go()
                 return out
 
             first = machine.tick(trio.current_time())

@@ -135,6 +135,7 @@ from atoll.protocol.certificate import (
 from atoll.protocol.deadlines import DeadlineRule, RoundDeadlines
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
+from atoll.protocol.held import Held, HeldPeers
 from atoll.protocol.manifest import RobustSettings, Timeouts
 from atoll.protocol.strikes import Strikes, reason_of_failure, self_accused
 
@@ -366,6 +367,13 @@ class Syncer:
         """fragment -> its committed state not yet certified, and the state before it"""
         self.fallbacks = 0
         """how many times a fragment fell back from a state nobody could certify"""
+        self.held = HeldPeers()
+        """where the peers said their trainers are held (:mod:`atoll.protocol.held`)"""
+        self._holding: dict[int, object] = {}
+        """fragment -> a token of its trainer hold in force (the peers are told of it
+        once it lasts)"""
+        self._told: set[int] = set()
+        """fragments whose hold the peers were told of (they hear of its end too)"""
 
     async def engine_call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (engine work) in a thread under :attr:`lock`."""
@@ -936,12 +944,15 @@ class Syncer:
                 ahead.ended_at = trio.current_time()
                 ahead.done.set()
 
-    @staticmethod
-    def _hold_ahead(ahead: _Ahead, seconds: float) -> None:
+    def _hold_ahead(self, ahead: _Ahead, seconds: float) -> None:
         """Matchmaking ahead waits with patience (``seconds`` > 0) or stopped (0): noted,
         and passed to the trainer only once the sync takes the group (it is not held
-        before its sync step)."""
+        before its sync step). A stop after the sync took the group lets the trainer go
+        at once (the peers it waited for are held elsewhere, or matchmaking ended)."""
+        held = ahead.hold_until is not None
         ahead.hold_until = trio.current_time() + seconds if seconds > 0 else None
+        if seconds <= 0 and held and ahead.started.is_set():
+            self._hold(ahead.declaration.fragment, 0.0)
 
     @staticmethod
     def _fits(ahead: _Ahead, action: fs.Action, step: int) -> bool:
@@ -963,14 +974,13 @@ class Syncer:
         ahead.started.set()  # a leader holding the group open forms it now
         held = self.on_hold is not None and ahead.hold_until is not None
         if held:
-            assert self.on_hold is not None and ahead.hold_until is not None
-            self.on_hold(p, max(0.0, ahead.hold_until - trio.current_time()))
+            assert ahead.hold_until is not None
+            self._hold(p, max(0.0, ahead.hold_until - trio.current_time()))
         try:
             await ahead.done.wait()
         finally:
             if held:
-                assert self.on_hold is not None
-                self.on_hold(p, 0.0)
+                self._hold(p, 0.0)
         seen.update(ahead.seen)
         found = ahead.found
         if found is None or (isinstance(found, mm.Alone) and ahead.ended_at < t0):
@@ -1054,7 +1064,11 @@ class Syncer:
 
         matchmaking_s = self.timeouts.matchmaking_s
         if hold is None and self.on_hold is not None and not only_if_present:
-            hold = functools.partial(self.on_hold, me.fragment)
+            hold = functools.partial(self._hold, me.fragment)
+
+        def held_elsewhere(peer: str) -> bool:
+            return self.held.elsewhere(peer, me.fragment, now=trio.current_time())
+
         found = await run_matchmaking(
             self.transport,
             self.mailbox,
@@ -1078,6 +1092,7 @@ class Syncer:
             hold=hold,
             alone_unless_seen_s=answer_bound(self.timeouts) if only_if_present else None,
             open_until=open_until,
+            held_elsewhere=held_elsewhere,
             step_period=self.engine.config.H,
             max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
         )
@@ -1200,6 +1215,48 @@ class Syncer:
             f"; members: {', '.join(p[-6:] for p in members)}" if members else "",
         )
 
+    # -- held trainers -----------------------------------------------------------------------
+    def _hold(self, p: int, seconds: float) -> None:
+        """Pass a hold of fragment ``p``'s sync to the trainer (:attr:`on_hold`): held for
+        at most ``seconds`` (> 0), or let go (0). A hold that lasts past the grace window
+        is told to the peers of the run, and so is its end (:mod:`atoll.protocol.held`):
+        a peer waiting at another fragment's slot for this one then lets its own trainer
+        go instead of waiting on a node that waits on it."""
+        if self.on_hold is not None:
+            self.on_hold(p, seconds)
+        if seconds > 0:
+            token = object()
+            self._holding[p] = token
+            if self.background is not None:
+                until = trio.current_time() + seconds
+                self.background.start_soon(self._tell_held, p, token, until)
+            return
+        self._holding.pop(p, None)
+        if p in self._told and self.background is not None:
+            self._told.discard(p)
+            self.background.start_soon(self._tell, p, 0.0)
+
+    async def _tell_held(self, p: int, token: object, until: float) -> None:
+        await trio.sleep(self.peers.group.grace_s)
+        if self._holding.get(p) is token:
+            self._told.add(p)
+            await self._tell(p, max(0.0, until - trio.current_time()))
+
+    async def _tell(self, p: int, seconds: float) -> None:
+        """Tell every trainer of the run that answers where this node's trainer is held
+        (best effort, each send bounded by the transport)."""
+        msg = Held(self.transport.peer_id, self.run_id, p, seconds)
+
+        async def one(peer: str) -> None:
+            try:
+                await self.transport.send(peer, msg)
+            except AtollError as e:
+                logger.debug("telling %s of a hold failed: %s", peer, e)
+
+        async with trio.open_nursery() as nursery:
+            for peer in self.peers.trainers():
+                nursery.start_soon(one, peer)
+
     # -- serving -----------------------------------------------------------------------------
     async def serve_request(self, sender: str, msg: object) -> None:
         """Answer a peer's :class:`~atoll.protocol.statesync.StateRequest` or
@@ -1207,6 +1264,10 @@ class Syncer:
         messages no round takes)."""
         if isinstance(msg, AttestationRequest):
             await serve_attestations(self.transport, sender, msg, self._seals_of(msg))
+            return
+        if isinstance(msg, Held):
+            if msg.run_id == self.run_id and msg.fragment < self.engine.num_fragments:
+                self.held.note(msg, now=trio.current_time())
             return
         if isinstance(msg, sp.StateIndexRequest | sp.StatePieceRequest):
             source = await self._source(msg.run_id, msg.fragment, msg.version, msg.digest)

@@ -459,14 +459,24 @@ def test_a_node_ahead_of_the_others_waits_for_them_and_rounds_with_them() -> Non
             nodes[0].syncer.on_hold = on_hold
             t0 = trio.current_time()
 
+            told: list[int | None] = []
+
             async def late(node: Node, local: np.ndarray) -> None:
                 await trio.sleep(early_s)
+                # a hold that outlasted the grace window was told to the peers
+                told.append(node.syncer.held.held_at("peer-0", now=trio.current_time()))
                 await _sync(node, local, 3)
 
             async with trio.open_nursery() as syncs:
                 syncs.start_soon(_sync, nodes[0], locals_[0], 3)
                 for node, local in zip(nodes[1:], locals_[1:], strict=True):
                     syncs.start_soon(late, node, local)
+            assert told == [0, 0], told
+            with trio.fail_after(5):  # and so is its end
+                while any(
+                    n.syncer.held.held_at("peer-0", now=trio.current_time()) == 0 for n in nodes[1:]
+                ):
+                    await trio.sleep(0.1)
             committed = _check_atomic(nodes, start)
             assert len(committed) == 3
             for node in nodes:
