@@ -18,6 +18,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -190,6 +191,41 @@ async def run_peers(
                 rounds.start_soon(run_peer, net, setup, c, results[c.peer], services)
         services.cancel_scope.cancel()
     return results
+
+
+async def lone_matchmaking(
+    setup: RoundSetup,
+    *,
+    seed: int,
+    board: Callable[[ReadyBoard], ReadyBoard] | None = None,
+    **options: Any,
+) -> tuple[mm.Formed | mm.Alone, float]:
+    """``peer-0`` alone at slot 7 of a fresh :class:`MemoryNetwork`: its matchmaking
+    (``options`` go to :func:`run_matchmaking`; ``board`` wraps the network's board) and
+    when it ended."""
+    async with MemoryNetwork.open(seed=seed) as net:
+        transport = net.transport("peer-0")
+        mailbox = Mailbox(transport)
+        async with trio.open_nursery() as services:
+            services.start_soon(mailbox.run)
+            me = mm.Declaration(
+                setup.run_id, setup.fragment, 7, "peer-0", 7, DIGEST, 10.0, net.wall()
+            )
+            found = await run_matchmaking(
+                transport,
+                mailbox,
+                board(net.board) if board is not None else net.board,
+                me,
+                setup.group,
+                timeout_s=setup.matchmaking_s,
+                ttl_s=setup.ttl_s,
+                wall=net.wall,
+                poll_s=setup.poll_s,
+                **options,
+            )
+            ended = trio.current_time()
+            services.cancel_scope.cancel()
+    return found, ended
 
 
 def run_mock(main: Callable[[], Awaitable[None]]) -> None:

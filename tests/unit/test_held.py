@@ -10,8 +10,6 @@ from types import ModuleType
 import pytest
 import trio
 
-from atoll.node.net.memory import MemoryNetwork
-from atoll.node.net.rounds import Mailbox, run_matchmaking
 from atoll.protocol import matchmaking as mm
 from atoll.protocol.held import HELD_MAX_S, Held, HeldPeers
 from atoll.protocol.messages import decode_message, encode_message
@@ -69,31 +67,14 @@ def test_a_sync_waiting_only_for_peers_held_elsewhere_lets_its_trainer_go(
         holds.append((trio.current_time(), seconds))
 
     async def main() -> None:
-        async with MemoryNetwork.open(seed=4) as net:
-            transport = net.transport("peer-0")
-            mailbox = Mailbox(transport)
-            async with trio.open_nursery() as services:
-                services.start_soon(mailbox.run)
-                me = mm.Declaration(
-                    setup.run_id, setup.fragment, 7, "peer-0", 7, h.DIGEST, 10.0, net.wall()
-                )
-                found = await run_matchmaking(
-                    transport,
-                    mailbox,
-                    net.board,
-                    me,
-                    setup.group,
-                    timeout_s=setup.matchmaking_s,
-                    ttl_s=setup.ttl_s,
-                    wall=net.wall,
-                    poll_s=setup.poll_s,
-                    patience_s=setup.matchmaking_s,
-                    expected=lambda: ["peer-1"],
-                    hold=hold,
-                    held_elsewhere=lambda peer: elsewhere and trio.current_time() >= 3.0,
-                )
-                ended = trio.current_time()
-                services.cancel_scope.cancel()
+        found, ended = await h.lone_matchmaking(
+            setup,
+            seed=4,
+            patience_s=setup.matchmaking_s,
+            expected=lambda: ["peer-1"],
+            hold=hold,
+            held_elsewhere=lambda peer: elsewhere and trio.current_time() >= 3.0,
+        )
         assert isinstance(found, mm.Alone), found
         assert holds and holds[0][1] > 0, holds  # held with patience
         assert holds[-1][1] == 0.0 and len(holds) == 2, holds  # let go once, never again

@@ -21,7 +21,7 @@ import trio
 
 from atoll.dht.records import ReadyRecord
 from atoll.node.net.memory import MemoryNetwork
-from atoll.node.net.rounds import Mailbox, fetch_state, run_matchmaking, serve_state
+from atoll.node.net.rounds import Mailbox, fetch_state, serve_state
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statesync as ss
@@ -127,28 +127,7 @@ def test_a_lost_copy_withdraws_on_the_clock_when_the_board_never_answers(
         return "the swarm follows version 9" if trio.current_time() >= 2.0 else None
 
     async def main() -> None:
-        async with MemoryNetwork.open(seed=3) as net:
-            transport = net.transport("peer-0")
-            mailbox = Mailbox(transport)
-            async with trio.open_nursery() as services:
-                services.start_soon(mailbox.run)
-                me = mm.Declaration(
-                    setup.run_id, setup.fragment, 7, "peer-0", 7, h.DIGEST, 10.0, net.wall()
-                )
-                found = await run_matchmaking(
-                    transport,
-                    mailbox,
-                    _DeafBoard(net.board),
-                    me,
-                    setup.group,
-                    timeout_s=setup.matchmaking_s,
-                    ttl_s=setup.ttl_s,
-                    wall=net.wall,
-                    poll_s=setup.poll_s,
-                    outdated=outdated,
-                )
-                ended = trio.current_time()
-                services.cancel_scope.cancel()
+        found, ended = await h.lone_matchmaking(setup, seed=3, board=_DeafBoard, outdated=outdated)
         assert isinstance(found, mm.Alone) and found.withdrawn, found
         assert "the swarm follows version 9" in found.reason
         assert 2.0 <= ended <= 2.0 + 2 * setup.poll_s
