@@ -17,7 +17,9 @@ trainer's GIL (docs/DESIGN.md, "Concurrency"). Per inner step:
 
 Steps 2 and 3 are :class:`~atoll.protocol.streaming.StreamingLoop`, the simulator's loop
 too; its exchange here is the bridge (:class:`_BridgeExchange`). After a rebase that
-found the swarm further ahead in time, the trainer jumps to the swarm's step.
+found the swarm further ahead in time, the trainer jumps to the swarm's step, or to the
+start of the sync the swarm began at most τ steps before it, so that it joins that
+fragment's round instead of meeting the fragment a period later.
 
 Progress goes to stderr every ``log_every`` steps: step, loss, tokens/s, peers seen, the
 last sync of every fragment, bytes up and down, and the time spent waiting on the
@@ -377,7 +379,8 @@ def _train(
         if realign_to >= 0 and realign_to != run.step:
             run.realign(realign_to, extend=bool(cfg.steps))
         elif jump_to > run.step + (0 if behind else lag_allowed):
-            run.jump(jump_to, extend=bool(cfg.steps))
+            land = schedule.landing(run.step, jump_to, manifest.tau)
+            run.jump(jump_to, extend=bool(cfg.steps), land=land)
         jump_to, realign_to, behind = 0, -1, False
         compute_before = rep.timer.compute_s
         run.losses.append(rep.train_step(run.step))
@@ -530,16 +533,29 @@ class _Run:
     def __post_init__(self) -> None:
         self.step = self.start
 
-    def jump(self, to: int, *, extend: bool) -> None:
+    def jump(self, to: int, *, extend: bool, land: int | None = None) -> None:
         """Skip to the swarm's step ``to`` (never past the last step). ``extend``: the end
         moves too (``--steps`` counts steps trained, so a jump does not use them up; a
-        node that jumped then ends after the others and settles onto their copy)."""
-        logger.warning(
-            "step %d: the swarm is at step %d; jumping there to meet its rounds", self.step, to
-        )
+        node that jumped then ends after the others and settles onto their copy).
+        ``land``: the step to go to instead, a sync start a few steps before ``to``
+        (:meth:`~atoll.protocol.schedule.Schedule.landing`)."""
+        land = to if land is None else land
+        if land == to:
+            logger.warning(
+                "step %d: the swarm is at step %d; jumping there to meet its rounds", self.step, to
+            )
+        else:
+            logger.warning(
+                "step %d: the swarm is at step %d; jumping to %d, the start of the sync it"
+                " began %d steps ago, to meet that round",
+                self.step,
+                to,
+                land,
+                to - land,
+            )
         if extend:
-            self.end += to - self.step
-        target = min(to, self.end - 1)
+            self.end += land - self.step
+        target = min(land, self.end - 1)
         self.jumped += target - self.step
         self.step = target
 

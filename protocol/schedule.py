@@ -102,6 +102,30 @@ class Schedule:
         periods = -(-(after - t) // self.H)
         return t + periods * self.H
 
+    def landing(self, current: int, target: int, margin: int) -> int:
+        """Where a peer at step ``current`` that jumps to its swarm's step ``target``
+        lands: on the last sync start in ``(current, target]`` when it lies at most
+        ``margin`` steps before ``target``, else on ``target``.
+
+        The swarm's sync started at such a step is most likely still forming its group
+        or reducing (its result is due ``tau`` steps after the start; pass ``tau`` as
+        ``margin``). Landing on ``target`` itself would skip that sync: the peer would
+        meet the fragment only one period later, and a peer back from a split that is
+        several versions behind might then be too far behind to offer its work at all.
+        Landing on the start step instead, up to ``margin`` steps behind the swarm, lets
+        the peer start that sync in phase at once and join the swarm's round.
+        """
+        for name, v in (("current", current), ("target", target), ("margin", margin)):
+            if not _is_int(v):
+                raise ConfigError(f"{name} must be an int, got {v!r}")
+        if margin < 0:
+            raise ConfigError(f"margin must be >= 0, got {margin}")
+        if target <= current:
+            return target
+        lo = max(current + 1, target - margin)
+        starts = self.syncs(lo, target + 1)
+        return starts[-1][0] if starts else target
+
     def syncs(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Every ``(step, fragment)`` sync start with ``start <= step < stop``, in order.
 

@@ -140,3 +140,49 @@ def test_overlap_refuses_tau_at_least_h(s: Schedule, data: st.DataObject) -> Non
     tau = data.draw(st.integers(s.H, 3 * s.H))
     with pytest.raises(ConfigError):
         s.check_overlap(tau)
+
+
+def test_a_jump_lands_on_the_sync_the_swarm_just_started() -> None:
+    # H=30, P=3: syncs after steps 9, 19, 29 of every period. A peer back from a split at
+    # step 736 whose swarm is at 801 lands on 799, the fragment-1 sync two steps back,
+    # and starts it at once (the faults benchmark's lone node jumped to 801 and met that
+    # fragment a whole period later)
+    s = Schedule(30, 3)
+    assert s.due(799) == (1,)
+    assert s.landing(736, 801, margin=5) == 799
+    assert s.landing(736, 801, margin=1) == 801  # the sync is further back than the margin
+    assert s.landing(736, 799, margin=5) == 799  # the target is a sync step itself
+    assert s.landing(798, 801, margin=5) == 799
+    assert s.landing(799, 801, margin=5) == 801  # never back to (or before) the current step
+    assert s.landing(801, 790, margin=5) == 790  # not a jump forward: unchanged
+    assert s.landing(736, 801, margin=0) == 801
+
+
+@FAST
+@given(
+    s=schedules(),
+    current=st.integers(0, 500),
+    ahead=st.integers(0, 300),
+    margin=st.integers(0, 40),
+)
+def test_landing_is_the_last_sync_within_the_margin(
+    s: Schedule, current: int, ahead: int, margin: int
+) -> None:
+    target = current + ahead
+    land = s.landing(current, target, margin)
+    window = [step for step in range(max(current + 1, target - margin), target + 1) if s.due(step)]
+    if ahead == 0:
+        assert land == target
+    elif window:
+        assert land == window[-1]
+        assert current < land <= target and target - land <= margin
+    else:
+        assert land == target
+
+
+def test_landing_refuses_bad_arguments() -> None:
+    s = Schedule(30, 3)
+    with pytest.raises(ConfigError):
+        s.landing(0, 10, margin=-1)
+    with pytest.raises(ConfigError):
+        s.landing(0, 10.0, margin=1)  # type: ignore[arg-type]
