@@ -50,6 +50,7 @@ class _Peer:
     reason: str = ""
     refused_at: float | None = None
     skip_until: float = -math.inf
+    returned_at: float | None = None
 
 
 class Liveness:
@@ -77,6 +78,8 @@ class Liveness:
     def heard(self, peer: str, now: float) -> None:
         """``peer`` answered, or sent us something: it is live."""
         p = self._peers.setdefault(peer, _Peer())
+        if p.failures > 0:
+            p.returned_at = now
         p.heard_at = now
         p.failures = 0
         p.until = -math.inf
@@ -141,6 +144,13 @@ class Liveness:
         """When ``peer`` last answered or sent something, or None."""
         p = self._peers.get(peer)
         return None if p is None else p.heard_at
+
+    def returned_at(self, peer: str) -> float | None:
+        """When ``peer`` last answered again after it had gone silent (a cut link that
+        healed, the other side of a split), or None if it never went silent. What was
+        measured of it before then (its rounds' timings) says little of its link now."""
+        p = self._peers.get(peer)
+        return None if p is None else p.returned_at
 
     def forget(self, peer: str) -> None:
         """Drop what is known of ``peer`` (it left the run)."""

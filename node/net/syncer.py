@@ -360,7 +360,7 @@ class Syncer:
         """fragment -> its matchmaking run ahead of its next sync (:meth:`prepare`)"""
         self._syncing: set[int] = set()
         """fragments with a sync in flight"""
-        self._regulars: dict[int, collections.deque[frozenset[str]]] = {}
+        self._regulars: dict[int, collections.deque[tuple[float, frozenset[str]]]] = {}
         """fragment -> the members of its last applied rounds here (measured deadlines
         apply to rounds of these peers only)"""
         self._unsure: dict[int, _Unsure] = {}
@@ -813,7 +813,7 @@ class Syncer:
                     regular = self._regulars.setdefault(
                         machine.fragment, collections.deque(maxlen=REGULAR_ROUNDS)
                     )
-                    regular.append(frozenset(action.spec.members))
+                    regular.append((trio.current_time(), frozenset(action.spec.members)))
                 if isinstance(result, ar.Failed) and self.strikes is not None:
                     self._strike(action.spec.key, result)
                 holdings = await self._holdings(machine.fragment, seen)
@@ -843,16 +843,20 @@ class Syncer:
         from its past rounds (:mod:`atoll.protocol.deadlines`) when :attr:`deadline_rule`
         is set, else the manifest's ``part_s`` and ``round_s``. With the round's
         ``members``: the manifest's too when one of them took part in none of the
-        fragment's last :data:`REGULAR_ROUNDS` applied rounds here (a healed split's other
-        side, a node back from a cut or a restart: its sync may start seconds apart from
-        the others', which the measured rounds never saw)."""
+        fragment's last :data:`REGULAR_ROUNDS` applied rounds here since it last came back
+        from silence (a healed split's other side, a node back from a cut or a restart:
+        its sync may start seconds apart from the others', and its first rounds run
+        beside the state copies of the catch-up, which the measured rounds never saw). A
+        split shorter than :data:`REGULAR_ROUNDS` rounds of the fragment left the other
+        side among the last rounds' members: after a 3|1 heal, a first round of all four
+        ran out at the measured 3 s floor while the lone node and its donors copied
+        states, and the fragment had no round of all four for 49 s."""
         fixed = self.timeouts.part_s, self.timeouts.round_s
         if self.deadline_rule is None:
             return fixed
         if members is not None:
-            regulars = set().union(*self._regulars.get(p, ()))
             me = self.transport.peer_id
-            if any(m != me and m not in regulars for m in members):
+            if any(m != me and not self._regular(p, m) for m in members):
                 return fixed
         tracker = self._deadlines.get(p)
         if tracker is None:
@@ -861,6 +865,16 @@ class Syncer:
             )
             self._deadlines[p] = tracker
         return tracker.current()
+
+    def _regular(self, p: int, peer: str) -> bool:
+        """Whether ``peer`` took part in one of fragment ``p``'s last applied rounds here
+        since it last answered again after a silence (see :meth:`round_deadlines`)."""
+        liveness = self.peers.liveness
+        back = liveness.returned_at(peer) if liveness is not None else None
+        return any(
+            peer in members and (back is None or at >= back)
+            for at, members in self._regulars.get(p, ())
+        )
 
     def _measured(
         self,

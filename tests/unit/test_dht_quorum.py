@@ -180,6 +180,11 @@ def test_a_probe_after_the_hold_brings_the_peer_back() -> None:
     was_suspected, still, reached = run(body)
     assert (was_suspected, still, reached) == (False, False, True)
     assert not liveness.silent("s")
+    # when it came back is kept (deadlines measured before then do not count for it);
+    # a peer that never went silent has no such time
+    back = liveness.returned_at("s")
+    assert back is not None and back >= RPC_S + 5.0
+    assert liveness.returned_at("a") is None
 
 
 def test_a_peer_that_resets_requests_is_skipped_by_the_dht_but_stays_live() -> None:
