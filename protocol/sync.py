@@ -38,8 +38,13 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    that was cut off or on the losing side of a split for a few rounds) is met the same
    way when its sync starts with the swarm's: it joins the swarm's round at once with
    its Δ, whose token weight is divided by the number of versions it missed (a
-   staleness discount, as Decoupled DiLoCo discounts late updates); a copy further
-   ahead ends the sync (its Δ is too stale to offer).
+   staleness discount, as Decoupled DiLoCo discounts late updates). A peer further
+   behind still (a cut or a split of many rounds) joins the same way, but what it offers
+   is its drift over the missed versions divided by their number, the mean per version,
+   at the same discount: its work counts for little, yet it is in the swarm's round at
+   once instead of copying the state, dropping Δ and meeting the fragment a whole period
+   later (after a 60 s cut the cut node, 8 versions behind on one fragment, missed that
+   fragment's next round so, and the fragment had no round of all four for 32 s).
 3. :meth:`FragmentSync.matched` with the matchmaking outcome: :class:`RunRound` for a
    formed group, or a roll back when alone. While matching, the driver asks
    :meth:`FragmentSync.outdated` whether the state this sync declared lost to another
@@ -138,8 +143,10 @@ Holding: TypeAlias = tuple[str, int, str]
 Phase: TypeAlias = Literal["idle", "declared", "rebasing", "matching", "reducing", "done"]
 
 MAX_STALENESS = 4
-"""Most versions a peer may have missed and still offer its Δ at the swarm's copy when it
-rebases before its round (see the module docstring)."""
+"""Most versions a peer may have missed and still offer its whole Δ at the swarm's copy
+when it rebases before its round; further behind, it offers its mean drift per missed
+version (see the module docstring). After a withdrawal from its slot, a copy further
+ahead than this ends the sync."""
 
 RoundStatus: TypeAlias = Literal["none", "applied", "failed", "alone", "cancelled"]
 """How the sync's round ended: ``none`` when there was no round (the peer rebased before
@@ -457,16 +464,21 @@ class FragmentSync:
             not self._after_round
             and self._local is not None
             and request is not None
-            and request.round <= version <= request.round + MAX_STALENESS
+            and request.round <= version
+            and (version <= request.round + MAX_STALENESS or not self._withdrawn)
         ):
-            # before the round, on a losing copy of the same version or a few versions
-            # behind: offer the same Δ at the new copy (see the module docstring):
-            # local + (new − old) is as far from the new copy as the local copy was from
-            # the old one
+            # before the round, on a losing copy of the same version or behind: offer Δ
+            # at the new copy (see the module docstring): new + (local − old) is as far
+            # from the new copy as the local copy was from the old one. Further behind
+            # than MAX_STALENESS, the drift of all the missed versions is offered as its
+            # mean per version (local − old) / missed, at the same discount
             missed = version - request.round
             self._discount = 1.0 if missed <= 1 else 1.0 / missed
             assert old is not None
-            shifted = self._local + (self.engine.global_params(self.fragment) - old)
+            drift = self._local - old
+            if missed > MAX_STALENESS:
+                drift = drift / np.float32(missed)
+            shifted = self.engine.global_params(self.fragment) + drift
             self._target = None
             self._holders = []
             self._request = self.engine.begin(self.fragment, shifted, self._step)

@@ -198,13 +198,17 @@ class PeerTracker:
     def expected(self, fragment: int, version: int) -> list[str]:
         """The trainers whose record shows them due at ``fragment``'s slot of ``version``:
         they hold that version (this node's copy, or another one they will rebase from
-        onto this node's, which the rebase rule already chose), or the version before
-        (they rebase onto it before their round). A node that arrives at the slot first
-        waits for them (matchmaking's patience)."""
+        onto this node's, which the rebase rule already chose), or an earlier one (they
+        rebase onto it before their round and join it, a peer far behind with its mean
+        drift per missed version: :mod:`atoll.protocol.sync`). A node that arrives at the
+        slot first waits for them (matchmaking's patience). A peer back from a cut or a
+        split is several versions behind; when only the version before counted, the
+        others closed the slot's group seconds before it came, and it chased the swarm one
+        version behind for a period or two."""
         due = []
         for p in self.trainers():
             r = self.live[p]
-            if fragment < len(r.versions) and r.versions[fragment] in (version - 1, version):
+            if fragment < len(r.versions) and r.versions[fragment] <= version:
                 due.append(p)
         return due
 

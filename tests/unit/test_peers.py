@@ -71,12 +71,12 @@ def test_holdings_leave_out_peers_that_do_not_answer() -> None:
     assert tracker.liveness.suspects(1.0) == {"b": "cut off"}
 
 
-def test_the_peers_expected_at_a_slot_hold_its_version_or_the_one_before() -> None:
+def test_the_peers_expected_at_a_slot_hold_its_version_or_an_earlier_one() -> None:
     records = [
         _record("same", version=4),
         _record("behind", version=3),  # rebases onto version 4 before its round
         _record("past", version=5),  # done with this slot
-        _record("far", version=1),
+        _record("far", version=1),  # back from a cut: rebases and joins too
         _record("done", version=4, training=False),  # settles: joins no more groups
         _record("cut", version=4),
     ]
@@ -84,7 +84,7 @@ def test_the_peers_expected_at_a_slot_hold_its_version_or_the_one_before() -> No
     tracker.liveness.failed("cut", 0.0)
     # "same" holds version 4 whatever its copy (a healed split's other side rebases onto
     # this node's copy, which the rule chose, and joins the slot)
-    assert sorted(tracker.expected(0, 4)) == ["behind", "same"]
+    assert sorted(tracker.expected(0, 4)) == ["behind", "far", "same"]
     assert tracker.expected(1, 4) == []  # no such fragment in the records
 
 

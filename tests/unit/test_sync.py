@@ -147,20 +147,36 @@ def test_a_peer_a_few_versions_behind_offers_its_delta_at_a_discount() -> None:
     assert engine.digest(0) == other.digest(0) and changes == [(0, "rebase")]
 
 
-def test_a_peer_far_behind_rebases_instead_of_grouping() -> None:
+def test_a_peer_far_behind_offers_its_mean_drift_per_missed_version() -> None:
+    """Further behind than MAX_STALENESS as its sync starts (back from a long cut): the
+    peer copies the state and joins the swarm's round there at once, offering its drift
+    since its old copy divided by the versions it missed, at that discount."""
+    missed = fs.MAX_STALENESS + 2
     engine, changes = _engine(), []
-    other, holding = _n_ahead(fs.MAX_STALENESS + 1)
+    other, holding = _n_ahead(missed)
     sync = _sync(engine, changes)
-    sync.begin(_local(1.0), step=3)
+    old = engine.global_params(0).copy()
+    local = _local(1.0)
+    sync.begin(local, step=3)
     action = sync.plan([holding, ("peer-old", 0, engine.digest(0))], wall_now=0.0)
     assert action == fs.FetchState(0, "peer-ahead", holding[1:], N)
-    done = sync.fetched(other.export_fragment(0, step=77))
-    assert isinstance(done, fs.SyncDone)
-    assert done.applied and done.rebased and done.state_step == 77
-    assert done.round_status == "none"
-    assert done.reason == f"rebased to version {fs.MAX_STALENESS + 1}"
-    assert engine.digest(0) == other.digest(0) and engine.pending(0) is None
-    assert changes == [(0, "rebase")]
+    state = other.export_fragment(0, step=77)
+    again = sync.fetched(state)
+    assert isinstance(again, fs.FindGroup) and again.declaration.slot == missed
+    assert not again.only_if_present
+    pending = engine.pending(0)
+    assert pending is not None
+    # what a peer holding the new copy offers when its local copy is new + drift / missed
+    twin = _engine()
+    twin.import_fragment(0, state)
+    expected = twin.begin(0, twin.global_params(0) + (local - old) / np.float32(missed), 3)
+    assert pending.payload == expected.payload
+    whole = _engine()
+    whole.import_fragment(0, state)
+    assert whole.begin(0, whole.global_params(0) + (local - old), 3).payload != pending.payload
+    run = sync.matched(_formed(ME, "b"))
+    assert isinstance(run, fs.RunRound) and run.weight == pending.weight / missed
+    assert engine.digest(0) == other.digest(0) and changes == [(0, "rebase")]
 
 
 def test_a_peer_one_version_behind_rebases_then_offers_its_delta_at_the_new_version() -> None:
