@@ -391,9 +391,11 @@ def _train(
             if outcome.applied and outcome.reason.startswith("rebased"):
                 # the swarm got ahead in time, not only in versions: rejoin its rounds
                 jump_to = max(jump_to, bridge.status.swarm_step)
-            elif OUT_OF_STEP in outcome.reason:
+            elif OUT_OF_STEP in outcome.reason and run.since_move(outcome.step):
                 # its schedule, learning rate and data position are not the swarm's (a
-                # checkpoint of a wrong step, say): move to the step of the refusing peers
+                # checkpoint of a wrong step, say): move to the step of the refusing peers.
+                # Not for a sync started before the trainer last moved: it speaks of a
+                # step the trainer left (it would move back, or on past its peers)
                 realign_to = bridge.status.swarm_step
             if f"alone: {BEHIND}:" in outcome.reason:
                 # the peers it asked had all left this slot: they train at their step
@@ -529,9 +531,16 @@ class _Run:
     realigned: int = 0
     """times the node moved to its peers' step after they refused it as out of step"""
     t0: float = field(default_factory=time.perf_counter)
+    moved_to: int = field(init=False)
+    """the step the trainer last jumped or moved to (its start at first)"""
 
     def __post_init__(self) -> None:
-        self.step = self.start
+        self.step = self.moved_to = self.start
+
+    def since_move(self, step: int) -> bool:
+        """Whether a sync started at ``step`` began since the trainer's last move (on
+        the steps it has trained through since)."""
+        return self.moved_to <= step <= self.step
 
     def jump(self, to: int, *, extend: bool, land: int | None = None) -> None:
         """Skip to the swarm's step ``to`` (never past the last step). ``extend``: the end
@@ -557,14 +566,14 @@ class _Run:
             self.end += land - self.step
         target = min(land, self.end - 1)
         self.jumped += target - self.step
-        self.step = target
+        self.step = self.moved_to = target
 
     def realign(self, to: int, *, extend: bool) -> None:
         """Move to the step ``to`` of the peers that refused this node as out of step,
         back or forth (never past the last step); ``extend`` as for :meth:`jump`."""
         logger.warning(
-            "step %d: the swarm's peers are at step %d and refused this node as out of "
-            "step (its learning-rate schedule, fragment phase and data position follow "
+            "step %d: the swarm's peers are at step %d and this node is out of step with "
+            "them (its learning-rate schedule, fragment phase and data position follow "
             "the step); moving there",
             self.step,
             to,
@@ -574,7 +583,7 @@ class _Run:
         target = max(0, min(to, self.end - 1))
         self.jumped += abs(target - self.step)
         self.realigned += 1
-        self.step = target
+        self.step = self.moved_to = target
 
     def progress(self, rep: Replica, bridge: NetworkBridge, log_every: int) -> dict[str, Any]:
         """One progress report (the status line, or a JSON line)."""

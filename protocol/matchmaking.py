@@ -96,8 +96,22 @@ the step at which it started the sync in its JoinRequest, JoinAccept and Disband
 leader refuses a requester, and a follower drops a leader, whose step is not in phase
 (the difference is not a multiple of H: the fragment's syncs fall at other steps) or lies
 more than ``max_step_lag`` steps away (an :data:`OUT_OF_STEP` Disband naming its own
-step). A peer refused so ends :class:`Alone` with ``swarm_step``, the median of the steps
-of the peers that refused it, before it contributed anything.
+step). Which of two such peers moves is not the slot's choice: with the slot's leader
+deciding, two peers that meet at every fragment (steps a whole number of periods apart)
+were each refused by the other at some fragment within one period, both moved, into
+each other's steps, and did so again. The step order decides instead
+(:func:`step_order`, the same for every slot): whoever refused whom, a peer out of step
+with one that comes before it in that order ends :class:`Alone` (when it finds no group
+at the slot) with ``swarm_step``, the median of those peers' steps, before it
+contributed anything; the other one stays at its step.
+
+Out of step, never at one slot together. Two peers whose steps differ by other than about
+a multiple of H sync each fragment at different times and never meet at a slot, so no
+leader ever refuses either (a checkpoint restored at a wrong step does this). A peer
+whose request reaches a peer that is not at that slot now, with a step further from the
+receiver's trainer step than ``max_step_lag`` plus a period, may be refused at once,
+without a slot (:func:`out_of_slot_refusal`): by the one of the two that comes first in
+:func:`step_order`, the same for every slot, so only one of them moves.
 
 Attempts at one slot. A slot is the fragment's version, so a peer whose round failed
 declares the same slot again at its next sync of the fragment, at a later step, and the
@@ -151,7 +165,9 @@ __all__ = [
     "Send",
     "State",
     "compat_key",
+    "out_of_slot_refusal",
     "rank",
+    "step_order",
 ]
 
 MAX_REDIRECTS: int = 8
@@ -225,6 +241,49 @@ def _rank_of(run_id: str, fragment: int, slot: int, peer_id: str) -> bytes:
         h.update(data)
     # the peer id after the hash breaks the (astronomically unlikely) tie of two digests
     return h.digest() + peer_id.encode("utf-8", "surrogatepass")
+
+
+def out_of_slot_refusal(
+    run_id: str,
+    me: str,
+    my_step: int,
+    requester: str,
+    step: object,
+    *,
+    step_period: int,
+    max_step_lag: int,
+) -> str | None:
+    """The :data:`OUT_OF_STEP` reason with which peer ``me``, whose trainer is at
+    ``my_step`` and which is not at the slot now, answers a JoinRequest that ``requester``
+    stated ``step`` in, or None to hold the request as usual (see "Out of step, never at
+    one slot together" above).
+
+    It refuses only a step further from its own than ``max_step_lag`` plus one period
+    (``my_step`` is where its trainer is now, not a sync start: a peer in step may be a
+    period ahead of it), and only when its step stands between the two: its place in
+    :func:`step_order` comes first. The requester, refused by the peer it asked to lead,
+    ends alone with this peer's step (as when a leader refuses it at the slot) and moves
+    there; the other way round, this peer holds the request and, in turn, is refused.
+    """
+    if not step_period or not isinstance(step, int) or isinstance(step, bool):
+        return None
+    if not _is_int(my_step) or step < 0 or my_step < 0:
+        return None
+    gap = abs(step - my_step)
+    if gap <= max(0, max_step_lag) + step_period:
+        return None
+    if step_order(run_id, me) > step_order(run_id, requester):
+        return None
+    return f"{OUT_OF_STEP}: step {step} is {gap} steps from {my_step} here"
+
+
+def step_order(run_id: str, peer_id: str) -> bytes:
+    """A peer's place in the order that decides, between two peers out of step that are
+    never at a slot together, whose step stands (the first): the same order for every
+    fragment and slot, so that of two such peers only one ever moves (with the slot's
+    rank, each might be refused at another fragment and both move, into each other's
+    steps)."""
+    return _rank_of(run_id, -1, -1, peer_id)
 
 
 def rank(d: Declaration) -> bytes:
@@ -506,7 +565,7 @@ class Matchmaker:
         self.max_step_lag = max(0, max_step_lag)
         # peers' steps as their own messages of this slot state them (for_step)
         self._steps: dict[str, int] = {}
-        self._refused_at: list[int] = []  # steps of the peers that refused ours
+        self._refused_at: list[int] = []  # steps of the peers out of step whose step stands
         self.patience = float(patience)
         self.answer_s = None if answer_s is None else float(answer_s)
         """how long a silent leader is waited for (None: until the timeout)"""
@@ -706,6 +765,7 @@ class Matchmaker:
             why = self._step_problem(msg.step)
             if why is not None:
                 out.append(self._disband(msg.sender, f"{OUT_OF_STEP}: {why}"))
+                self._out_of_step_with(msg.sender, msg.step)
             elif _is_num(msg.weight) and msg.weight >= 0:
                 out.extend(self._on_join(msg.sender, float(msg.weight), now))
         elif self._state in ("formed", "alone"):
@@ -754,6 +814,16 @@ class Matchmaker:
         if abs(step - mine) > self.max_step_lag:
             return f"step {step} is {abs(step - mine)} steps from {mine}"
         return None
+
+    def _out_of_step_with(self, peer: str, step: object) -> None:
+        """``peer``, at ``step``, and this peer are out of step (one refused the other):
+        this peer moves to that step, should it end alone, when ``peer``'s step stands,
+        that is when ``peer`` comes first in :func:`step_order` (see "In step")."""
+        if not _is_int(step) or not isinstance(step, int) or step < 0:
+            return
+        run = self.me.run_id
+        if step_order(run, peer) < step_order(run, self._id):
+            self._refused_at.append(step)
 
     def _keepalive_s(self) -> float:
         return math.inf if self.answer_s is None else self.answer_s / 2
@@ -938,7 +1008,8 @@ class Matchmaker:
         if self._refused_at:
             swarm_step = statistics.median_high(self._refused_at)
             reason = (
-                f"{OUT_OF_STEP}: refused by {len(self._refused_at)} peer(s) at step {swarm_step}, "
+                f"{OUT_OF_STEP} with {len(self._refused_at)} peer(s) whose step stands, at "
+                f"step {swarm_step}; "
                 f"this node started at {self.me.step}; then {reason}"
             )
         out.append(Alone(reason, withdrawn, swarm_step))
@@ -1013,6 +1084,7 @@ class Matchmaker:
         why = self._step_problem(msg.step)
         if msg.sender == self._target and why is not None:
             # a leader out of step with this peer: leave it and look again
+            self._out_of_step_with(msg.sender, msg.step)
             self._excluded.add(msg.sender)
             self._target = None
             self._state = "searching"
@@ -1097,10 +1169,8 @@ class Matchmaker:
             sender == self._target
             and isinstance(msg.reason, str)
             and msg.reason.startswith(OUT_OF_STEP)
-            and _is_int(msg.step)
-            and msg.step >= 0
         ):
-            self._refused_at.append(msg.step)
+            self._out_of_step_with(sender, msg.step)
         if isinstance(msg.reason, str) and msg.reason.startswith(PAST_SLOT):
             stated = msg.step if _is_int(msg.step) and msg.step >= 0 else -1
             self._past.setdefault(sender, stated)

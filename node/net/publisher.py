@@ -205,6 +205,16 @@ class AttestationPublisher:
             return None
         return held[1]
 
+    def unpublished(self) -> list[int]:
+        """The fragments whose newest attestation names the state held now and has not
+        been published yet (a node about to leave waits for them: its peers may need
+        them to certify the rounds they made together)."""
+        return sorted(
+            p
+            for p, (attestation, _, at) in self._latest.items()
+            if at == -float("inf") and self._still_held(attestation)
+        )
+
     async def publish_due(self) -> None:
         """Publish every attestation not yet published, and republish those of states
         still held that are a third of their lifetime old."""

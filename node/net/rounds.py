@@ -160,12 +160,18 @@ class Mailbox:
         requests: int = 64,
         requests_per_peer: int = 4,
         passed: Callable[[int, int], tuple[int, int] | None] | None = None,
+        out_of_step: Callable[[str, mm.JoinRequest], tuple[str, int] | None] | None = None,
     ) -> None:
         self.host = host
         self.passed = passed
         """``(fragment, slot)`` -> this node's version of the fragment when it is past that
         slot (it will not match at it again), else None: a join request for such a slot
         is refused at once instead of held"""
+        self.out_of_step = out_of_step
+        """``(sender, request)`` -> an :data:`~atoll.protocol.matchmaking.OUT_OF_STEP`
+        reason and this node's trainer step when it refuses a join request for a slot it
+        is not at now as out of step
+        (:func:`~atoll.protocol.matchmaking.out_of_slot_refusal`), else None"""
         self.liveness = liveness
         self.hold_s = hold_s
         self._on_request = on_request
@@ -246,7 +252,21 @@ class Mailbox:
         if isinstance(msg, mm.JoinRequest) and self.passed is not None:
             past = self.passed(msg.fragment, msg.slot)
             if past is not None:  # the slot is over here: say so, do not let it wait
-                self._start_request(sender, msg, nursery, self._refuse_join(msg, *past))
+                version, step = past
+                refusal = self._refuse_join(msg, f"{mm.PAST_SLOT} {version}", step)
+                self._start_request(sender, msg, nursery, refusal)
+                return
+        if isinstance(msg, mm.JoinRequest) and self.out_of_step is not None:
+            refused = self.out_of_step(sender, msg)
+            if refused is not None:  # it would wait for a slot this node never reaches
+                logger.info(
+                    "fragment %d slot %d: refused %s as out of step (%s)",
+                    msg.fragment,
+                    msg.slot,
+                    sender,
+                    refused[0],
+                )
+                self._start_request(sender, msg, nursery, self._refuse_join(msg, *refused))
                 return
         if key in self._closed and not _is_slot(key):
             # a round's late messages; a slot's are held: the slot may be tried again at
@@ -309,14 +329,15 @@ class Mailbox:
                 del self._peer_held[sender]
 
     def _refuse_join(
-        self, msg: mm.JoinRequest, version: int, step: int
+        self, msg: mm.JoinRequest, reason: str, step: int
     ) -> Callable[[str, object], Awaitable[None]]:
-        """The answer to a join request for a slot this node is past: a Disband naming
-        the version it is at and its trainer's ``step`` (the requester asks another peer,
-        or leads, at once; when every peer it knows is past the slot it stops looking and
-        its trainer may move to that step)."""
+        """The answer to a join request this node refuses without a slot: a Disband with
+        ``reason`` and its trainer's ``step``. For a slot it is past, the reason names
+        the version it is at (the requester asks another peer, or leads, at once; when
+        every peer it knows is past the slot it stops looking and its trainer may move to
+        that step); for a requester out of step, the requester ends alone with this step
+        and moves there."""
         me = self.host.peer_id
-        reason = f"{mm.PAST_SLOT} {version}"
         answer = mm.Disband(
             me, msg.run_id, msg.fragment, msg.slot, msg.version, msg.digest, reason, step, msg.step
         )

@@ -11,7 +11,12 @@ pass. The rule, every node computing it alike:
   window runs out does it agree with the peers that finished (if they hold its copy), and
   it says that some peers still train on;
 - when no peer answers any more, the peers that finished first may have settled and
-  left: their last records (published as they finished) decide.
+  left: their last records (published as they finished) decide;
+- it never agrees while a fragment's state it holds is pending: not certified yet (its
+  last round's members may still sign it, or it falls back), or its own attestation of
+  that state not yet published (a peer of that round needs it to certify the same
+  state, and could not ask a node that left). Only the end of the settle window ends
+  that wait.
 
 Pure: :mod:`atoll.node.net.swarm` runs the loop, the rebases and the clock.
 """
@@ -42,6 +47,9 @@ class SettleView:
     when any of them shows another)"""
     rebased: int
     """fragments rebased so far in this settle"""
+    pending: tuple[int, ...] = ()
+    """fragments whose held state is not certified yet or whose attestation of it this
+    node has not published yet"""
 
 
 def settle_verdict(
@@ -52,10 +60,23 @@ def settle_verdict(
     ``waited_s`` is the time since the settle began, ``patience_s`` one sync's time
     (matchmaking and a round), ``at_end`` whether the settle window ran out.
     """
+    verdict = _verdict(view, waited_s=waited_s, patience_s=patience_s, at_end=at_end)
+    if verdict is None or not view.pending:
+        return verdict
+    held = ", ".join(map(str, view.pending))
+    detail = f"{verdict.detail}; fragments {held} still pending certification"
+    return Settled(verdict.agreed, detail)
+
+
+def _verdict(
+    view: SettleView, *, waited_s: float, patience_s: float, at_end: bool
+) -> Settled | None:
     v = view
     if v.known == 0:
         return Settled(True, "no other peer in the run")
     finished = [p for p in v.differ if p not in v.training]
+    if v.pending and not at_end:
+        return None
     if v.published and v.answering and not v.differ and not v.training:
         return Settled(
             True,

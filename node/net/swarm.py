@@ -86,10 +86,11 @@ from atoll.node.net.publisher import (
 from atoll.node.net.rounds import Mailbox
 from atoll.node.net.settle import SettleView, settle_verdict
 from atoll.node.net.status import NodeStatus
-from atoll.node.net.syncer import FaultHook, Syncer
+from atoll.node.net.syncer import MAX_STEP_LAG_SYNCS, FaultHook, Syncer
 from atoll.node.net.tally import SyncTally
 from atoll.node.settings import load_membership
 from atoll.node.snapshot import EnginePart, write_engine_file
+from atoll.protocol import matchmaking as mm
 from atoll.protocol.certificate import CertifiedStates, open_attestation
 from atoll.protocol.codecs import make_codec
 from atoll.protocol.deadlines import MEASURED, DeadlineRule
@@ -185,6 +186,7 @@ class _Node:
             hold_s=manifest.timeouts.round_s,
             liveness=liveness,
             passed=self._passed,
+            out_of_step=self._out_of_step,
         )
         self.syncer = Syncer(
             transport=(
@@ -351,6 +353,8 @@ class _Node:
                         rebased += 1
                         self.tally.caught_up()
             published = await self.publisher.publish_if_changed()
+            with trio.move_on_at(deadline):  # the peers of its last rounds may need them
+                await self.attester.publish_due()
             verdict = settle_verdict(
                 self._settle_view(published, rebased),
                 waited_s=trio.current_time() - start,
@@ -376,6 +380,7 @@ class _Node:
             training=tuple(p for p in answering if self.peers.live[p].training),
             gone_agree=len(gone) if gone and not self._disagreeing(gone) else 0,
             rebased=rebased,
+            pending=tuple(sorted({*self.syncer.uncertified(), *self.attester.unpublished()})),
         )
 
     def _disagreeing(self, peers: list[str] | None = None) -> list[str]:
@@ -400,6 +405,24 @@ class _Node:
             return None
         version = self.engine.version(fragment)
         return (version, self.syncer.step) if version > slot else None
+
+    def _out_of_step(self, sender: str, request: mm.JoinRequest) -> tuple[str, int] | None:
+        """Whether to refuse ``sender``'s join request, for a slot this node is not at
+        now, as out of step (:func:`~atoll.protocol.matchmaking.out_of_slot_refusal`):
+        the reason and this node's trainer step, or None. Only while the trainer runs:
+        a node that settles or has not started has no step to stand by."""
+        if not self.training or self.syncer.step <= 0:
+            return None
+        why = mm.out_of_slot_refusal(
+            self.run_id,
+            self.host.peer_id,
+            self.syncer.step,
+            sender,
+            request.step,
+            step_period=self.engine.config.H,
+            max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
+        )
+        return None if why is None else (why, self.syncer.step)
 
     # -- the record and the status --------------------------------------------------------
     def _versions(self) -> tuple[int, ...]:

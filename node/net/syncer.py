@@ -484,6 +484,12 @@ class Syncer:
         self._unsure.pop(p, None)
         return fell
 
+    def uncertified(self) -> list[int]:
+        """The fragments whose committed state this node keeps a fall-back for: not
+        certified yet, and a lost signer would send them back (see the module
+        docstring)."""
+        return sorted(self._unsure)
+
     def _signers(self, att: Attestation) -> list[str]:
         """The members of ``att``'s round other than this node that may still sign it:
         neither silent nor left an attestation request unanswered lately."""

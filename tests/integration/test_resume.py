@@ -193,11 +193,12 @@ def test_a_node_resumed_at_a_wrong_step_is_caught_before_it_contributes(
     local_swarm: Any, wait_until: Any, tmp_path: Path
 ) -> None:
     """A checkpoint whose step is wrong (its learning-rate schedule, fragment phase and
-    data position are not the swarm's, though its fragments are): at their first meeting
-    the two peers refuse each other as out of step, one of them moves to the other's
-    step (the one refused by the slot's leader), and only then do they apply rounds
-    together. Which one moves depends on who leads that slot: with two peers there is
-    no majority to say which step is right."""
+    data position are not the swarm's, though its fragments are), and off by half a
+    period besides: the two peers sync each fragment at different times and never meet
+    at a slot. One refuses the other's request as out of step from outside the slot, the
+    refused one moves to the other's step, and only then do they apply rounds together.
+    Which one moves is the step order's choice: with two peers there is no majority to
+    say which step is right."""
     run = local_swarm.write_manifest("wrong", local_swarm.manifest("wrong-step", **RUN))
     local_swarm.start_bootstrap()
     a = local_swarm.start_node("a", run, steps=0, wait_peers=1, extra=FAST)
@@ -213,18 +214,24 @@ def test_a_node_resumed_at_a_wrong_step_is_caught_before_it_contributes(
     store = CheckpointStore(folder)
     newest = store.latest()
     assert newest is not None
-    wrong = 1 if stopped_at > 60 else stopped_at + 120
+    # ten periods and a half past a's step: each fragment's sync falls about half a
+    # period away from a's (a may have moved on a little by the time b is back)
+    wrong = max(stopped_at, a.progress.get("step", 0)) + 126
     store.save(newest.tensors, {**newest.meta, "step": wrong})
 
     # b trains until stopped: once the two are in step, realigning and the next syncs'
     # matchmaking can take more than a fixed number of steps on a busy machine
     b2 = local_swarm.start_node("b", run, steps=0, wait_peers=1, extra=FAST)
 
+    def both() -> str:
+        codes = f"exit codes: a {a.proc.poll()}, b {b2.proc.poll()}"
+        return f"{codes}\n--- a:\n{a.tail(40)}\n--- b:\n{b2.tail(40)}"
+
     def b_applied_after_the_catch() -> bool:
-        assert b2.proc.poll() is None and a.proc.poll() is None, b2.tail(60)
+        assert b2.proc.poll() is None and a.proc.poll() is None, both()
         return "out of step" in b2.stderr() + a.stderr() and ": applied;" in b2.stderr()
 
-    wait_until(b_applied_after_the_catch, 480, lambda: b2.tail(60))
+    wait_until(b_applied_after_the_catch, 480, both)
     for node in (b2, a):
         node.proc.send_signal(signal.SIGINT)
     assert b2.wait(60) == 0, b2.tail()

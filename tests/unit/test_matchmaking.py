@@ -41,7 +41,9 @@ from atoll.protocol.matchmaking import (
     Redirect,
     Send,
     compat_key,
+    out_of_slot_refusal,
     rank,
+    step_order,
 )
 
 RUN = "run-a"
@@ -1007,10 +1009,23 @@ def _stepped(peer: str, step: int, *, now: float = 0.0) -> Matchmaker:
     )
 
 
-def _run_pair(leader_step: int, follower_step: int) -> tuple[list[Action], list[Action]]:
+def _pair(leader_first: bool = True) -> tuple[str, str]:
+    """Two peers, the slot's leader first; the leader also comes first in the step order
+    (its step stands) when ``leader_first``, else the follower does."""
+    pairs = [by_rank([f"p-{i}", f"p-{j}"]) for i in range(8) for j in range(i + 1, 8)]
+    return next(
+        (low, high)
+        for low, high in pairs
+        if (step_order(RUN, low) < step_order(RUN, high)) == leader_first
+    )
+
+
+def _run_pair(
+    leader_step: int, follower_step: int, *, leader_first: bool = True
+) -> tuple[list[Action], list[Action]]:
     """A leader and a follower (by rank) exchange messages until neither sends; both are
     then driven to their deadline. The outcomes of each."""
-    low, high = by_rank(["p-a", "p-b"])
+    low, high = _pair(leader_first)
     machines = {low: _stepped(low, leader_step), high: _stepped(high, follower_step)}
     results: dict[str, list[Action]] = {low: [], high: []}
     queue: list[tuple[str, Message]] = []
@@ -1049,15 +1064,32 @@ def test_a_requester_out_of_step_is_refused_and_told_the_leaders_step(
     (done,) = outcome(follow)
     assert isinstance(done, Alone)
     assert done.swarm_step == 480
-    assert done.reason.startswith("out of step: refused by 1 peer(s) at step 480")
+    assert done.reason.startswith("out of step with 1 peer(s) whose step stands, at step 480")
     refusals = [m for _, m in sends(lead) if isinstance(m, Disband)]
     assert refusals and why in refusals[0].reason and refusals[0].step == 480
     assert not any(isinstance(m, JoinAccept) for _, m in sends(lead))
-    assert not any(isinstance(o, Formed) for o in outcome(lead))
+    (led,) = outcome(lead)
+    assert isinstance(led, Alone) and led.swarm_step == -1  # its own step stands
+
+
+def test_a_leader_that_refuses_a_requester_first_in_step_order_moves_itself() -> None:
+    """Which of two peers out of step moves is the step order's choice, not the slot's:
+    the leader refuses a requester that comes before it in that order, and it is the
+    leader that ends alone with the requester's step (the requester stays where it is).
+    With the slot deciding, two peers meeting at every fragment each moved to the other's
+    step within one period."""
+    lead, follow = _run_pair(480, 120, leader_first=False)
+    refusals = [m for _, m in sends(lead) if isinstance(m, Disband)]
+    assert refusals and refusals[0].reason.startswith("out of step")
+    (led,) = outcome(lead)
+    assert isinstance(led, Alone) and led.swarm_step == 120
+    assert led.reason.startswith("out of step with 1 peer(s) whose step stands, at step 120")
+    (done,) = outcome(follow)
+    assert isinstance(done, Alone) and done.swarm_step == -1
 
 
 def test_a_follower_drops_a_leader_out_of_step() -> None:
-    low, high = by_rank(["p-a", "p-b"])
+    low, high = _pair()
     follower = _stepped(high, 480)
     asked = sends(follower.observe([decl(low)], now=0.0))
     assert [(to, type(m)) for to, m in asked] == [(low, JoinRequest)]
@@ -1066,6 +1098,49 @@ def test_a_follower_drops_a_leader_out_of_step() -> None:
     left = [m for to, m in sends(out) if to == low and isinstance(m, Disband)]
     assert left and left[0].reason.startswith("out of step") and left[0].step == 480
     assert follower.state == "leading"  # it looks again: nobody else, so it leads alone
+    (done,) = outcome(follower.tick(TIMEOUT + 1))  # the leader's step stands: it moves
+    assert isinstance(done, Alone) and done.swarm_step == 0
+
+
+def _refusal(me: str, my_step: int, requester: str, step: object) -> str | None:
+    return out_of_slot_refusal(
+        RUN, me, my_step, requester, step, step_period=H_STEPS, max_step_lag=LAG
+    )
+
+
+def test_a_request_out_of_step_is_refused_without_a_slot_by_the_first_in_step_order() -> None:
+    """Two peers out of step that never sync a fragment at the same time: a request that
+    reaches a peer not at its slot is refused by the one whose step stands (the first in
+    the step order, the same for every fragment and slot), never by the other; a step
+    within the lag plus a period (the receiver's step is its trainer's, not a sync
+    start) is held as usual."""
+    first, second = sorted(["p-a", "p-b"], key=lambda p: step_order(RUN, p))
+    why = _refusal(first, 480, second, 480 - LAG - H_STEPS - 1)
+    assert why is not None and why.startswith("out of step") and "61 steps from 480" in why
+    assert _refusal(second, 480, first, 480 - LAG - H_STEPS - 1) is None
+    assert _refusal(first, 480, second, 480 + LAG + H_STEPS) is None  # in step enough
+    assert _refusal(first, 480, second, 480 - LAG) is None
+    assert _refusal(first, 480, second, 900) is not None  # ahead or behind alike
+    for step in (-1, None, True, 2.5, "600"):  # a step not said, or not a step
+        assert _refusal(first, 480, second, step) is None
+    assert _refusal(first, -1, second, 900) is None  # this peer has no step yet
+    assert out_of_slot_refusal(RUN, first, 480, second, 900, step_period=0, max_step_lag=0) is None
+
+
+def test_a_requester_refused_without_a_slot_ends_alone_with_that_step() -> None:
+    """The Disband of a peer not at the slot, out of step, counts as a leader's refusal:
+    the requester looks again, leads alone, and ends with the refuser's step to move to."""
+    low, high = _pair()  # the slot leader (the one asked) comes first in the step order
+    requester = _stepped(high, 133)
+    asked = sends(requester.observe([decl(low)], now=0.0))
+    assert [(to, type(m)) for to, m in asked] == [(low, JoinRequest)]
+    why = _refusal(low, 20, high, 133)
+    assert why is not None and _refusal(high, 133, low, 20) is None
+    refusal = Disband(low, RUN, FRAG, SLOT, VERSION, DIGEST, why, 20, 133)
+    requester.receive(refusal, now=0.1)
+    (done,) = outcome(requester.tick(TIMEOUT + 1))
+    assert isinstance(done, Alone) and done.swarm_step == 20
+    assert done.reason.startswith("out of step with 1 peer(s) whose step stands, at step 20")
 
 
 def test_steps_are_not_checked_when_a_peer_does_not_say() -> None:

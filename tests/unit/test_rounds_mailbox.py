@@ -464,6 +464,42 @@ def test_a_join_request_for_a_slot_this_node_is_past_is_refused_at_once() -> Non
     _run(main)
 
 
+def test_a_join_request_out_of_step_for_a_slot_not_open_here_is_refused_at_once() -> None:
+    """A peer whose step is far from this node's asks it at a slot this node is not at
+    now (out of step, the two never sync a fragment at the same time): when the node's
+    rule refuses it, the mailbox answers with an out-of-step Disband naming the node's
+    step and the requester's, instead of holding the request; a request the rule lets
+    pass is held as before, and one for an open slot goes to its matchmaker."""
+    from atoll.node.net.memory import MemoryNetwork
+
+    def rule(sender: str, request: mm.JoinRequest) -> tuple[str, int] | None:
+        far = abs(request.step - 20) > 60
+        return (f"out of step: step {request.step} is far from 20", 20) if far else None
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id="run") as net:
+            wrong, node = net.transport("wrong"), net.transport("node")
+            box = Mailbox(node, passed=lambda fragment, slot: None, out_of_step=rule)
+            async with trio.open_nursery() as nursery:
+                request = mm.JoinRequest("wrong", "run", 1, 9, 9, "d" * 32, 1.0, 140)
+                box.route("wrong", request, nursery)
+                with trio.fail_after(5):
+                    sender, answer = await wrong.receive()
+                assert sender == "node" and isinstance(answer, mm.Disband)
+                assert answer.reason.startswith(mm.OUT_OF_STEP)
+                assert (answer.step, answer.for_step) == (20, 140)
+                assert box.held_by("wrong")[0] == 0
+                near = mm.JoinRequest("wrong", "run", 1, 9, 9, "d" * 32, 1.0, 30)
+                box.route("wrong", near, nursery)
+                assert box.held_by("wrong")[0] == 1
+                channel, receive = trio.open_memory_channel[Any](10)
+                box.open(("mm", "run", 1, 9), channel)
+                box.route("wrong", request, nursery)  # at the slot: the matchmaker decides
+                assert ("msg", request) in _drain(receive)
+
+    _run(main)
+
+
 def test_an_earlier_attempt_closing_a_key_does_not_cut_off_a_later_one() -> None:
     """A group formed ahead of a sync is let go while the sync's own matchmaking of the
     same slot has already opened the key: the earlier attempt's close (it runs as its

@@ -59,3 +59,19 @@ def test_nobody_answers_the_last_records_of_those_that_left_decide() -> None:
     assert v is not None and v.agreed and "3 peers that finished before" in v.detail
     v = settle_verdict(view(answering=0, gone_agree=0), waited_s=25, patience_s=20, at_end=False)
     assert v is not None and not v.agreed and "no peer" in v.detail
+
+
+def test_a_pending_state_holds_back_agreement_until_the_window_ends() -> None:
+    """A fragment whose held state is not certified yet (or whose attestation this node
+    has not published yet) keeps the node from agreeing: a peer of that round may need
+    its attestation, and this node's state may still fall back. Only the end of the
+    settle window reports, saying which fragments were still pending."""
+    held = view(pending=(1, 3))
+    for waited in (1, 25):
+        assert settle_verdict(held, waited_s=waited, patience_s=20, at_end=False) is None
+    gone = view(answering=0, gone_agree=3, pending=(2,))
+    assert settle_verdict(gone, waited_s=25, patience_s=20, at_end=False) is None
+    v = settle_verdict(held, waited_s=60, patience_s=20, at_end=True)
+    assert v is not None and v.agreed and "fragments 1, 3 still pending" in v.detail
+    v = settle_verdict(view(pending=()), waited_s=1, patience_s=20, at_end=False)
+    assert v is not None and v.agreed and "pending" not in v.detail

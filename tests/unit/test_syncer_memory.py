@@ -1151,6 +1151,7 @@ def test_a_pair_member_whose_partner_froze_before_attesting_falls_back_and_rejoi
             assert beliefs is not None
             await third.syncer.certify(0, [("peer-0", *first.state())])
             assert not beliefs.believes(0, *first.state())  # nobody can follow peer-0
+            assert first.syncer.uncertified() == [0]  # it would not settle on it yet
             t0 = trio.current_time()
             with trio.fail_after(60):
                 while first.state() != start:
@@ -1158,6 +1159,7 @@ def test_a_pair_member_whose_partner_froze_before_attesting_falls_back_and_rejoi
             took = trio.current_time() - t0
             assert FALL_BACK_AFTER_S <= took < FALL_BACK_AFTER_S + 15, took
             assert first.syncer.fallbacks == 1 and (0, "fall back") in first.changes
+            assert first.syncer.uncertified() == []
             assert first.engine.pending(0) is None
             await _sync_nodes([first, third], 7, 1)
             assert first.state() == third.state() and first.state()[0] == 1
@@ -1183,7 +1185,7 @@ def test_a_pair_member_whose_partner_answers_keeps_its_state_uncertified_for_now
             held = nodes[0].state()
             await trio.sleep(4 * FALL_BACK_AFTER_S)
             assert nodes[0].state() == held != start
-            assert nodes[0].syncer.fallbacks == 0
+            assert nodes[0].syncer.fallbacks == 0 and nodes[0].syncer.uncertified() == [0]
             services.cancel_scope.cancel()
 
     _run(main)
@@ -1407,8 +1409,9 @@ def test_a_restarted_member_publishes_its_kept_attestation_again() -> None:
                 attestation, signer = open_attestation(sealed, EnvelopeVerifier())
                 assert signer == _identity(node.peer).peer_id
                 restarted.restore(attestation, sealed)
+                assert restarted.unpublished() == [0]  # a node leaving now would wait
                 await restarted.publish_due()
-                assert restarted.published == 1
+                assert restarted.published == 1 and restarted.unpublished() == []
             # the board holds them again, and they certify the state on their own
             records = await net.board_of(nodes[0].peer, Liveness()).find_attestations(0, ahead[0])
             assert {r.peer_id for r in records} == {n.peer for n in nodes}
