@@ -138,7 +138,7 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, TypeGuard
 
 from atoll.protocol.allreduce import GROUP_MAX, RoundKey
 from atoll.protocol.errors import ConfigError
@@ -265,9 +265,7 @@ def out_of_slot_refusal(
     ends alone with this peer's step (as when a leader refuses it at the slot) and moves
     there; the other way round, this peer holds the request and, in turn, is refused.
     """
-    if not step_period or not isinstance(step, int) or isinstance(step, bool):
-        return None
-    if not _is_int(my_step) or step < 0 or my_step < 0:
+    if not step_period or not _is_int(step) or not _is_int(my_step) or step < 0 or my_step < 0:
         return None
     gap = abs(step - my_step)
     if gap <= max(0, max_step_lag) + step_period:
@@ -460,7 +458,7 @@ members; ``formed`` and ``alone`` are final."""
 # --------------------------------------------------------------------------------------
 # checks
 # --------------------------------------------------------------------------------------
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -819,7 +817,7 @@ class Matchmaker:
         """``peer``, at ``step``, and this peer are out of step (one refused the other):
         this peer moves to that step, should it end alone, when ``peer``'s step stands,
         that is when ``peer`` comes first in :func:`step_order` (see "In step")."""
-        if not _is_int(step) or not isinstance(step, int) or step < 0:
+        if not _is_int(step) or step < 0:
             return
         run = self.me.run_id
         if step_order(run, peer) < step_order(run, self._id):
@@ -1009,8 +1007,7 @@ class Matchmaker:
             swarm_step = statistics.median_high(self._refused_at)
             reason = (
                 f"{OUT_OF_STEP} with {len(self._refused_at)} peer(s) whose step stands, at "
-                f"step {swarm_step}; "
-                f"this node started at {self.me.step}; then {reason}"
+                f"step {swarm_step}; this node started at {self.me.step}; then {reason}"
             )
         out.append(Alone(reason, withdrawn, swarm_step))
         return out

@@ -19,8 +19,22 @@ def _part(sender: str = "peer-a", chunk: int = 0, payload: bytes = b"", rnd: int
     return ar.Part("run", 1, rnd, sender, chunk, 1.0, payload)
 
 
-def _join(sender: str = "peer-a", slot: int = 9) -> mm.JoinRequest:
-    return mm.JoinRequest(sender, "run", 1, slot, 3, "d" * 32, 1.0)
+def _join(
+    sender: str = "peer-a", slot: int = 9, version: int = 3, step: int = -1
+) -> mm.JoinRequest:
+    return mm.JoinRequest(sender, "run", 1, slot, version, "d" * 32, 1.0, step)
+
+
+async def _refused(
+    box: Mailbox, requester: Any, request: mm.JoinRequest, nursery: trio.Nursery
+) -> mm.Disband:
+    """Route ``request`` to ``box`` (the node "node") and return the Disband the node
+    answers it with at once (``requester``: the sender's memory transport)."""
+    box.route(request.sender, request, nursery)
+    with trio.fail_after(5):
+        sender, answer = await requester.receive()
+    assert sender == "node" and isinstance(answer, mm.Disband)
+    return answer
 
 
 AR_KEY = ("ar", "run", 1, 4, "")  # a round of no named group
@@ -450,11 +464,7 @@ def test_a_join_request_for_a_slot_this_node_is_past_is_refused_at_once() -> Non
             late, node = net.transport("late"), net.transport("node")
             box = Mailbox(node, passed=lambda fragment, slot: (10, 95) if slot < 10 else None)
             async with trio.open_nursery() as nursery:
-                request = mm.JoinRequest("late", "run", 1, 9, 9, "d" * 32, 1.0, 120)
-                box.route("late", request, nursery)
-                with trio.fail_after(5):
-                    sender, answer = await late.receive()
-                assert sender == "node" and isinstance(answer, mm.Disband)
+                answer = await _refused(box, late, _join("late", version=9, step=120), nursery)
                 assert answer.reason == "slot closed: this node is at version 10"
                 assert (answer.slot, answer.version, answer.for_step) == (9, 9, 120)
                 assert answer.step == 95  # where this node's trainer is
@@ -481,16 +491,12 @@ def test_a_join_request_out_of_step_for_a_slot_not_open_here_is_refused_at_once(
             wrong, node = net.transport("wrong"), net.transport("node")
             box = Mailbox(node, passed=lambda fragment, slot: None, out_of_step=rule)
             async with trio.open_nursery() as nursery:
-                request = mm.JoinRequest("wrong", "run", 1, 9, 9, "d" * 32, 1.0, 140)
-                box.route("wrong", request, nursery)
-                with trio.fail_after(5):
-                    sender, answer = await wrong.receive()
-                assert sender == "node" and isinstance(answer, mm.Disband)
+                request = _join("wrong", version=9, step=140)
+                answer = await _refused(box, wrong, request, nursery)
                 assert answer.reason.startswith(mm.OUT_OF_STEP)
                 assert (answer.step, answer.for_step) == (20, 140)
                 assert box.held_by("wrong")[0] == 0
-                near = mm.JoinRequest("wrong", "run", 1, 9, 9, "d" * 32, 1.0, 30)
-                box.route("wrong", near, nursery)
+                box.route("wrong", _join("wrong", version=9, step=30), nursery)
                 assert box.held_by("wrong")[0] == 1
                 channel, receive = trio.open_memory_channel[Any](10)
                 box.open(("mm", "run", 1, 9), channel)
