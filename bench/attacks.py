@@ -230,7 +230,7 @@ def _rounds_of(log: Path) -> list[float]:
     return times
 
 
-_MEMBERS = re.compile(r"fragment \d+ slot -?\d+: applied; .*; members: (.*)$")
+_MEMBERS = re.compile(r"fragment \d+ slot -?\d+: applied; .*; members: ([^;]*)(?:; round .*)?$")
 
 
 def _applied_with(log: Path, peers: set[str]) -> int:

@@ -796,6 +796,7 @@ class Syncer:
             elif isinstance(action, fs.RunRound):
                 traffic = RoundTraffic()
                 phase_s, round_s = self.round_deadlines(machine.fragment, action.spec.members)
+                began = trio.current_time()
                 result = await run_allreduce(
                     self.transport,
                     self.mailbox,
@@ -839,7 +840,7 @@ class Syncer:
                         self._unsure[machine.fragment] = _Unsure(
                             machine.attestation, held[1], trio.current_time()
                         )
-                self._log_slot(action, machine, seen)
+                self._log_slot(action, machine, seen, took=trio.current_time() - began)
             else:
                 action = await self._fetch(machine, action)
 
@@ -1217,22 +1218,30 @@ class Syncer:
         return self.fault(spec.key.fragment, spec.key.round, len(spec.members))
 
     def _log_slot(
-        self, action: fs.Action, machine: fs.FragmentSync, seen: dict[str, tuple[int, str]]
+        self,
+        action: fs.Action,
+        machine: fs.FragmentSync,
+        seen: dict[str, tuple[int, str]],
+        *,
+        took: float | None = None,
     ) -> None:
         """After a round (or none): its outcome, the slot's declarations and, once
-        applied, the group's members (the benchmarks read this line)."""
+        applied, the group's members and how long its all-reduce ran (``took``: from the
+        group's forming to the commit; the benchmarks read this line, and a heal's
+        recovery counts only the rounds whose groups formed after it)."""
         if isinstance(action, fs.RunRound) or machine.round_status == "none":
             return  # no round ended yet (a round to run, or a slot left for another copy)
         request = machine.request
         reason = machine.round_reason
         members = machine.members if not reason else ()
         logger.info(
-            "fragment %d slot %d: %s; the slot's declarations: %s%s",
+            "fragment %d slot %d: %s; the slot's declarations: %s%s%s",
             machine.fragment,
             request.round if request is not None else -1,
             reason or "applied",
             ", ".join(f"{peer[-6:]} v{v} {d[:6]}" for peer, (v, d) in seen.items()) or "none",
             f"; members: {', '.join(p[-6:] for p in members)}" if members else "",
+            f"; round {took:.2f} s" if members and took is not None else "",
         )
 
     # -- held trainers -----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -813,6 +814,11 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
                 assert "withdrawn: the swarm follows version 3" in caplog.text
             # one line per node for the slot's one round (a withdrawal logs no round)
             assert caplog.text.count("fragment 0 slot 3: applied;") == 4, caplog.text
+            # with the all-reduce's duration, which bench/faults.py reads
+            took = re.findall(
+                r"fragment 0 slot 3: applied; .*; members: [^;]*; round (\S+) s$", caplog.text, re.M
+            )
+            assert len(took) == 4 and all(0.0 <= float(t) < 60.0 for t in took), took
             await _sync_nodes(nodes, 19, 4)  # one group of everybody
             assert len({n.state() for n in nodes}) == 1
             assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
