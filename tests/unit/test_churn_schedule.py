@@ -5,7 +5,6 @@ nodes up (the helpers the run loop calls every 0.2 s, on a swarm of real process
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,20 +15,9 @@ import numpy as np
 import pytest
 
 from atoll.node.checkpoint import CheckpointStore
+from tests.unit.benchload import load_bench
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "churn.py"
-
-
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_churn", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_churn"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-churn = _load()
+churn = load_bench("churn")
 
 
 @pytest.fixture

@@ -5,26 +5,16 @@ other side). The log lines are the syncer's own format (``Syncer._log_slot``).""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "faults.py"
+from tests.unit.benchload import load_bench
+
 T0 = datetime(2026, 12, 5, 8, 0, 0)
 
 
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_faults", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_faults"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-faults = _load()
+faults = load_bench("faults")
 
 
 def _line(at_s: float, fragment: int, slot: int, members: str, took: float | None) -> str:
