@@ -38,7 +38,7 @@ every global copy each node held: fragment, version, digest and the round's
 - per heal: seconds to the first round with every node in it, and per fragment which of
   its rounds after the heal that was (rounds of the recovery phase only: none there is
   null), counted twice: over the rounds committed after the heal, and over those whose
-  group formed after it (the commit time less the all-reduce's logged duration; a round
+  group formed after it (the commit time less the round's logged duration; a round
   still running at the heal was formed without the other side and cannot include it);
 - forks: one slot of one fragment applied by two groups (different leaders), inside a
   partition (or within one round timeout after its heal) and outside, separately;
@@ -337,8 +337,8 @@ class Events:
     applied: list[tuple[float, int, int]] = field(default_factory=list)
     """(time, fragment, slot) of every round it applied"""
     formed: dict[tuple[int, int], float] = field(default_factory=dict)
-    """(fragment, slot) -> when the group of the round it applied formed (the commit's
-    time less the all-reduce's duration; logged since the syncer states that duration)"""
+    """(fragment, slot) -> when the group of the round it applied formed: the commit's
+    time less the round's logged duration (forming to commit; older logs do not state it)"""
     rebases: list[float] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)
     """apply-deadline waits that ran out"""
@@ -517,9 +517,9 @@ def _after_heal(
     (``..._formed_after``, the target's count). A group formed before the heal could not
     hold a peer on the other side of the cut; its round, still running at the heal, is
     none of the rounds the swarm had to regroup in. After a 2|2 split both sides' rounds
-    often commit in the first seconds after the heal; rounds are short (0.2-1 s of
-    all-reduce on a 50 Mbit/s, 40 ms link), so most of them formed after the heal too,
-    before the sides saw each other, and both counts keep them. A round no log gives a
+    often commit in the first seconds after the heal; rounds are short (0.2-1 s from
+    forming to commit on a 50 Mbit/s, 40 ms link), so most of them formed after the heal
+    too, before the sides saw each other, and both counts keep them. A round no log gives a
     forming time for counts as formed after the heal (as the commit count does)."""
     after = [r for r in rounds if r.time >= healed and (until is None or r.time <= until)]
     full = next((r for r in after if len(r.members) == n), None)

@@ -1226,9 +1226,10 @@ class Syncer:
         took: float | None = None,
     ) -> None:
         """After a round (or none): its outcome, the slot's declarations and, once
-        applied, the group's members and how long its all-reduce ran (``took``: from the
-        group's forming to the commit; the benchmarks read this line, and a heal's
-        recovery counts only the rounds whose groups formed after it)."""
+        applied, the group's members and how long the round took (``took``: from the
+        group's forming to the commit, the all-reduce and the apply; the benchmarks read
+        this line, and a heal's recovery counts only the rounds whose groups formed after
+        it)."""
         if isinstance(action, fs.RunRound) or machine.round_status == "none":
             return  # no round ended yet (a round to run, or a slot left for another copy)
         request = machine.request

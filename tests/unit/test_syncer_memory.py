@@ -814,7 +814,7 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
                 assert "withdrawn: the swarm follows version 3" in caplog.text
             # one line per node for the slot's one round (a withdrawal logs no round)
             assert caplog.text.count("fragment 0 slot 3: applied;") == 4, caplog.text
-            # with the all-reduce's duration, which bench/faults.py reads
+            # with the round's duration, which bench/faults.py reads
             took = re.findall(
                 r"fragment 0 slot 3: applied; .*; members: [^;]*; round (\S+) s$", caplog.text, re.M
             )
