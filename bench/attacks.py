@@ -5,7 +5,8 @@ Runs a bootstrap peer and N ``atoll node`` processes on 127.0.0.1 (default 8, 2 
 hostile through attack injection, ``ATOLL_ATTACK``; :mod:`atoll.node.net.attacks`) on the
 ``micro`` preset for a few syncs, once per (attack, mode):
 
-- ``robust``: the manifest's ``[robust]`` table with ``rule = "trimmed_mean"``,
+- ``robust``: the manifest's ``[robust]`` table with ``rule = "trimmed_mean"`` (or
+  ``--rule centered_clip``),
   ``checks = true`` (which also seals every part, so a refused part is proven to every
   member) and ``verify_owners = true`` (the protections);
 - ``mean``: the plain token-weighted mean, no checks (the protections off);
@@ -99,7 +100,7 @@ round_s = {25.0 * args.timeout_scale}
 apply_wait_s = {3.0 * args.timeout_scale}
 """
     if mode == "robust":
-        text += '\n[robust]\nrule = "trimmed_mean"\nchecks = true\nverify_owners = true\n'
+        text += f'\n[robust]\nrule = "{args.rule}"\nchecks = true\nverify_owners = true\n'
     return text
 
 
@@ -364,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="multiply the manifest's timeouts (a loaded machine)",
     )
+    ap.add_argument(
+        "--rule",
+        default="trimmed_mean",
+        choices=("trimmed_mean", "centered_clip"),
+        help="the robust mode's combining rule (the manifest's [robust] rule)",
+    )
     ap.add_argument("--workdir", help="keep the nodes' files and logs here")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument(
@@ -421,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 "modes",
                 "slowdown",
                 "timeout_scale",
+                "rule",
             )
         },
         "wall_s": round(time.time() - t0, 1),
