@@ -40,6 +40,7 @@ from typing import Any, TextIO
 
 from atoll.node.config import add_arguments, build_config, field_help, load_toml
 from atoll.node.demo import DemoConfig
+from atoll.node.logconf import debug_from_env
 from atoll.node.settings import BootstrapConfig, NodeConfig, SimConfig
 from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.manifest import OuterLoop
@@ -95,6 +96,7 @@ def format_table(results: Sequence[Any]) -> str:
 def _setup_logging(verbose: int) -> None:
     level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    debug_from_env()
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:

@@ -92,6 +92,7 @@ import msgpack
 import numpy as np
 import trio
 
+from atoll.node.logconf import debug_from_env
 from atoll.node.net.heap import keep_freed_memory
 from atoll.node.net.status import BadStatus, NodeStatus
 from atoll.protocol import allreduce as ar
@@ -463,6 +464,7 @@ def _child_main(
     logging.basicConfig(
         level=log_level, format="%(asctime)s net[%(process)d] %(name)s %(levelname)s %(message)s"
     )
+    debug_from_env()
     shared: SharedFragments | None = None
     code = 0
     try:
