@@ -19,6 +19,7 @@ nothing is prepared and syncs form their groups themselves, as they always can.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from collections.abc import Callable
 
@@ -47,13 +48,23 @@ class Pace:
             self._notes.popleft()
 
     def steps_per_s(self) -> float | None:
-        """The estimate, or None with too few notes (under one second of them)."""
+        """The estimate, or None with too few notes (under one second of them): the lower
+        median of the paces between consecutive notes, so that a jump (a node back from
+        a split skips a hundred steps at once) does not make every sync seem seconds
+        away for the whole window, which had groups formed ahead for syncs the trainer
+        would reach only much later."""
         if len(self._notes) < 2:
             return None
-        (t0, s0), (t1, s1) = self._notes[0], self._notes[-1]
-        if t1 - t0 < 1.0:
+        if self._notes[-1][0] - self._notes[0][0] < 1.0:
             return None
-        return (s1 - s0) / (t1 - t0)
+        paces = sorted(
+            (s1 - s0) / (t1 - t0)
+            for (t0, s0), (t1, s1) in itertools.pairwise(self._notes)
+            if t1 > t0
+        )
+        if not paces:
+            return None
+        return paces[(len(paces) - 1) // 2]
 
 
 class Ahead:

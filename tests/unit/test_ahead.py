@@ -24,6 +24,17 @@ def test_pace_needs_a_second_of_notes_and_follows_the_last_window() -> None:
     assert pace.steps_per_s() is None
 
 
+def test_a_jump_does_not_make_the_trainer_seem_fast() -> None:
+    pace = Pace(window_s=10.0)
+    for k in range(4):  # 2 steps per second
+        pace.note(k * 0.5, k)
+    pace.note(2.0, 133)  # the trainer jumped 130 steps to meet its swarm
+    assert pace.steps_per_s() == pytest.approx(2.0)
+    for k in range(1, 4):
+        pace.note(2.0 + k * 0.5, 133 + k)
+    assert pace.steps_per_s() == pytest.approx(2.0)
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
