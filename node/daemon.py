@@ -375,12 +375,23 @@ def _train(
     lag_allowed = schedule.H
     behind = False
     realign_to = -1  # its peers refused this node as out of step: their step
+    then_to = landed = -1  # a jump landed on a sync start behind the swarm (landed): the
+    # step to go on to once that sync started
     while run.step < run.end and not stop.by and not stop.finish:
         if realign_to >= 0 and realign_to != run.step:
             run.realign(realign_to, extend=bool(cfg.steps))
+            then_to = -1
         elif jump_to > run.step + (0 if behind else lag_allowed):
-            land = schedule.landing(run.step, jump_to, manifest.tau)
+            ahead = min(schedule.H // schedule.fragments, 2 * manifest.tau)
+            land = schedule.landing(run.step, jump_to, manifest.tau, ahead=ahead)
             run.jump(jump_to, extend=bool(cfg.steps), land=land)
+            # landed on a sync the swarm began: start it, then on to the swarm's step
+            then_to, landed = (jump_to, land) if land < jump_to else (-1, -1)
+        elif then_to >= 0:
+            run.go_on(then_to, extend=bool(cfg.steps))
+            for p in schedule.due(landed):  # its round may be over: no wait for it
+                loop.release(p)
+            then_to = -1
         jump_to, realign_to, behind = 0, -1, False
         compute_before = rep.timer.compute_s
         run.losses.append(rep.train_step(run.step))
@@ -546,17 +557,27 @@ class _Run:
         """Skip to the swarm's step ``to`` (never past the last step). ``extend``: the end
         moves too (``--steps`` counts steps trained, so a jump does not use them up; a
         node that jumped then ends after the others and settles onto their copy).
-        ``land``: the step to go to instead, a sync start a few steps before ``to``
+        ``land``: the step to go to instead, a sync start a few steps before ``to`` (the
+        trainer starts that sync, then goes on to ``to``: :meth:`go_on`) or after it
         (:meth:`~atoll.protocol.schedule.Schedule.landing`)."""
         land = to if land is None else land
         if land == to:
             logger.warning(
                 "step %d: the swarm is at step %d; jumping there to meet its rounds", self.step, to
             )
+        elif land > to:
+            logger.warning(
+                "step %d: the swarm is at step %d; jumping to %d, the start of its next sync,"
+                " %d steps ahead, to wait there for its round",
+                self.step,
+                to,
+                land,
+                land - to,
+            )
         else:
             logger.warning(
                 "step %d: the swarm is at step %d; jumping to %d, the start of the sync it"
-                " began %d steps ago, to meet that round",
+                " began %d steps ago, to start that sync and go on to the swarm's step",
                 self.step,
                 to,
                 land,
@@ -567,6 +588,20 @@ class _Run:
         target = min(land, self.end - 1)
         self.jumped += target - self.step
         self.step = self.moved_to = target
+
+    def go_on(self, to: int, *, extend: bool) -> None:
+        """After a jump that landed on a sync start behind the swarm and started that
+        sync: skip on to the swarm's step ``to``, a few steps on (before the sync's result
+        is due), so that the trainer meets the swarm's later syncs in phase rather than
+        those few steps late, each (never past the last step)."""
+        if extend:
+            self.end += to - self.step
+        target = min(to, self.end - 1)
+        if target <= self.step:
+            return
+        logger.info("step %d: the sync it landed on started; on to step %d", self.step, target)
+        self.jumped += target - self.step
+        self.step = target  # the landed sync began since the move (see since_move)
 
     def realign(self, to: int, *, extend: bool) -> None:
         """Move to the step ``to`` of the peers that refused this node as out of step,

@@ -102,29 +102,45 @@ class Schedule:
         periods = -(-(after - t) // self.H)
         return t + periods * self.H
 
-    def landing(self, current: int, target: int, margin: int) -> int:
+    def landing(self, current: int, target: int, margin: int, ahead: int = 0) -> int:
         """Where a peer at step ``current`` that jumps to its swarm's step ``target``
         lands: on the last sync start in ``(current, target]`` when it lies at most
-        ``margin`` steps before ``target``, else on ``target``.
+        ``margin`` steps before ``target``; else on the first sync start after
+        ``target`` when it lies at most ``ahead`` steps after it; else on ``target``.
 
-        The swarm's sync started at such a step is most likely still forming its group
-        or reducing (its result is due ``tau`` steps after the start; pass ``tau`` as
-        ``margin``). Landing on ``target`` itself would skip that sync: the peer would
-        meet the fragment only one period later, and a peer back from a split that is
-        several versions behind might then be too far behind to offer its work at all.
-        Landing on the start step instead, up to ``margin`` steps behind the swarm, lets
-        the peer start that sync in phase at once and join the swarm's round.
+        A sync the swarm started up to ``margin`` steps ago (pass ``tau``: its result is
+        due ``tau`` steps after the start) may still be open to the peer: the others hold
+        its slot for the peers they know are due there. Landing on ``target`` itself
+        would skip it, and the peer would meet that fragment a period later only (the
+        faults benchmark's lone node, back from a 3|1 split, jumped to 801 while the
+        three held fragment 1's slot open at 799, and that fragment had no round of all
+        four for 47 s). So the peer lands on that start and begins the sync; the trainer
+        then goes on to ``target`` at once (the caller's part), since staying those few
+        steps behind made it arrive late at each later sync too, after the swarm's
+        groups (formed ahead of their sync steps) had closed, and miss them one by one.
+        With no sync start that close behind, the next one ahead is one the swarm has not
+        reached yet (``target`` is the donors' step when the copy began, a second or two
+        old by the time of the jump): the peer lands there and waits for the swarm's
+        group at its slot.
         """
-        for name, v in (("current", current), ("target", target), ("margin", margin)):
+        for name, v in (
+            ("current", current),
+            ("target", target),
+            ("margin", margin),
+            ("ahead", ahead),
+        ):
             if not _is_int(v):
                 raise ConfigError(f"{name} must be an int, got {v!r}")
-        if margin < 0:
-            raise ConfigError(f"margin must be >= 0, got {margin}")
+        if margin < 0 or ahead < 0:
+            raise ConfigError(f"margin and ahead must be >= 0, got {margin} and {ahead}")
         if target <= current:
             return target
         lo = max(current + 1, target - margin)
-        starts = self.syncs(lo, target + 1)
-        return starts[-1][0] if starts else target
+        starts = self.syncs(lo, target + ahead + 1)
+        back = [step for step, _ in starts if step <= target]
+        if back:
+            return back[-1]
+        return starts[0][0] if starts else target
 
     def syncs(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Every ``(step, fragment)`` sync start with ``start <= step < stop``, in order.

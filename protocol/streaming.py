@@ -154,6 +154,15 @@ class StreamingLoop:
                 self._await(p, step, taken)
         return taken
 
+    def release(self, fragment: int) -> bool:
+        """Stop awaiting ``fragment``'s sync at its apply step: its outcome is merged
+        whenever it arrives (a late result), and the trainer never waits for it. For a
+        sync started on the way to somewhere else (a trainer that jumped onto the start of
+        a sync its swarm began, in case that round is still open to it, and then went on
+        to the swarm's step): waiting out ``apply_wait_s`` for it put the trainer seconds
+        behind its swarm again. False when nothing was awaited."""
+        return self._apply_at.pop(fragment, None) is not None
+
     def collect(self, step: int) -> list[SyncOutcome]:
         """Take the results that arrived since the last call without waiting (merging
         the applied ones); also after :meth:`finish`, for one that came late."""

@@ -158,24 +158,41 @@ def test_a_jump_lands_on_the_sync_the_swarm_just_started() -> None:
     assert s.landing(736, 801, margin=0) == 801
 
 
+def test_a_jump_past_a_sync_further_back_lands_on_the_next_one() -> None:
+    # the swarm at 806 started fragment 1's sync at 799, seven steps ago, past the margin:
+    # the peer lands on 809 (fragment 2's sync, not reached yet) and waits there
+    s = Schedule(30, 3)
+    assert s.due(809) == (2,)
+    assert s.landing(736, 806, margin=5, ahead=3) == 809
+    assert s.landing(736, 806, margin=5, ahead=2) == 806  # further ahead than allowed
+    assert s.landing(736, 806, margin=5) == 806  # ahead defaults to 0: the target itself
+    assert s.landing(736, 809, margin=5, ahead=5) == 809
+    assert s.landing(736, 804, margin=5, ahead=9) == 799  # a start behind comes first
+
+
 @FAST
 @given(
     s=schedules(),
     current=st.integers(0, 500),
-    ahead=st.integers(0, 300),
+    forward=st.integers(0, 300),
     margin=st.integers(0, 40),
+    ahead=st.integers(0, 40),
 )
-def test_landing_is_the_last_sync_within_the_margin(
-    s: Schedule, current: int, ahead: int, margin: int
+def test_landing_is_the_last_sync_within_the_margin_else_the_next_within_ahead(
+    s: Schedule, current: int, forward: int, margin: int, ahead: int
 ) -> None:
-    target = current + ahead
-    land = s.landing(current, target, margin)
-    window = [step for step in range(max(current + 1, target - margin), target + 1) if s.due(step)]
-    if ahead == 0:
+    target = current + forward
+    land = s.landing(current, target, margin, ahead)
+    back = [step for step in range(max(current + 1, target - margin), target + 1) if s.due(step)]
+    after = [step for step in range(target + 1, target + ahead + 1) if s.due(step)]
+    if forward == 0:
         assert land == target
-    elif window:
-        assert land == window[-1]
+    elif back:
+        assert land == back[-1]
         assert current < land <= target and target - land <= margin
+    elif after:
+        assert land == after[0]
+        assert target < land <= target + ahead
     else:
         assert land == target
 
@@ -184,5 +201,7 @@ def test_landing_refuses_bad_arguments() -> None:
     s = Schedule(30, 3)
     with pytest.raises(ConfigError):
         s.landing(0, 10, margin=-1)
+    with pytest.raises(ConfigError):
+        s.landing(0, 10, margin=1, ahead=-1)
     with pytest.raises(ConfigError):
         s.landing(0, 10.0, margin=1)  # type: ignore[arg-type]

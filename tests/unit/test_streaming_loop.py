@@ -149,6 +149,19 @@ def test_steps_may_jump_ahead() -> None:
     assert [o.step for o in taken] == [4]
 
 
+def test_a_released_sync_is_not_awaited_and_merges_when_it_comes() -> None:
+    ex = FakeExchange()
+    loop = StreamingLoop(Schedule(H=10, fragments=2), ex, tau=3, apply_wait_s=1.0)  # 4, 9
+    loop.after_step(4)
+    assert loop.release(0) and not loop.release(0) and loop.pending == ()
+    assert loop.after_step(7) == []  # its apply step: no wait
+    assert ("wait", 0, 4) not in ex.events and ex.in_flight(0)
+    ex.late.append(SyncOutcome(0, 4, True, 0, ""))  # the outcome comes later
+    taken = loop.after_step(8)
+    assert [o.step for o in taken] == [4] and ("merge", 0, -1) in ex.events
+    assert loop.stats.late == 1 and loop.stats.waits_run_out == 0
+
+
 def test_finish_leaves_what_does_not_come() -> None:
     ex = FakeExchange(slow={(0, 3)})
     loop = StreamingLoop(Schedule(H=4, fragments=1), ex, tau=1, apply_wait_s=0.0)
