@@ -27,6 +27,11 @@ share (one timed-out request), not every later request of the swarm:
   resetting does not hold up the DHT's quorums, and a peer that reset one stream counts
   as live everywhere else.
 
+- :meth:`Liveness.in_touch_since`: when the current spell of contact began. A peer not
+  heard from for :attr:`Liveness.gap_s` seconds starts a new spell when heard again,
+  failure or not: the other side of a split that nobody asked anything never failed, but
+  it was out of touch all the same.
+
 One object is shared by the DHT and the round drivers of a node. Time is passed in (any
 monotonic clock, seconds); nothing here reads a clock or does IO.
 """
@@ -51,19 +56,26 @@ class _Peer:
     refused_at: float | None = None
     skip_until: float = -math.inf
     returned_at: float | None = None
+    since: float | None = None
 
 
 class Liveness:
     """Suspected peers of one node (see the module docstring)."""
 
-    def __init__(self, *, hold_s: float = 5.0, max_hold_s: float = 20.0) -> None:
-        for name, value in (("hold_s", hold_s), ("max_hold_s", max_hold_s)):
+    def __init__(
+        self, *, hold_s: float = 5.0, max_hold_s: float = 20.0, gap_s: float = 10.0
+    ) -> None:
+        for name, value in (("hold_s", hold_s), ("max_hold_s", max_hold_s), ("gap_s", gap_s)):
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be finite and > 0, not {value!r}")
         if max_hold_s < hold_s:
             raise ConfigError(f"max_hold_s ({max_hold_s}) must be >= hold_s ({hold_s})")
         self.hold_s = float(hold_s)
         self.max_hold_s = float(max_hold_s)
+        self.gap_s = float(gap_s)
+        """a peer not heard from for longer than this starts a new spell of contact when it
+        is heard again (:meth:`in_touch_since`): the other side of a split that was never
+        asked anything, so never failed, was out of touch all the same"""
         self._peers: dict[str, _Peer] = {}
         self.on_suspect: Callable[[str, int], None] | None = None
         """called with ``(peer, failures in a row)`` each time a peer becomes suspected
@@ -80,6 +92,8 @@ class Liveness:
         p = self._peers.setdefault(peer, _Peer())
         if p.failures > 0:
             p.returned_at = now
+        if p.failures > 0 or p.heard_at is None or now - p.heard_at > self.gap_s:
+            p.since = now
         p.heard_at = now
         p.failures = 0
         p.until = -math.inf
@@ -151,6 +165,13 @@ class Liveness:
         measured of it before then (its rounds' timings) says little of its link now."""
         p = self._peers.get(peer)
         return None if p is None else p.returned_at
+
+    def in_touch_since(self, peer: str) -> float | None:
+        """When the current spell of unbroken contact with ``peer`` began: since then it
+        was heard at least every :attr:`gap_s` seconds up to :meth:`heard_at` and never
+        failed. None if it is silent or was never heard."""
+        p = self._peers.get(peer)
+        return None if p is None or p.failures > 0 else p.since
 
     def forget(self, peer: str) -> None:
         """Drop what is known of ``peer`` (it left the run)."""

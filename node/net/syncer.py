@@ -173,6 +173,7 @@ Offload = Callable[..., Awaitable[Any]]
 """``await offload(fn, *args)`` runs ``fn(*args)`` off the event loop and returns its result."""
 
 REGULAR_ROUNDS = 1
+IN_TOUCH_S = 30.0
 """A fragment's round uses measured deadlines only when every other member took part in
 one of its last this many applied rounds here (else the manifest's). One: a member that
 missed the fragment's last round here (the other side of a split, a node back from a
@@ -691,9 +692,11 @@ class Syncer:
             holdings = self.peers.holdings(p, mine)
             plan = functools.partial(machine.plan, holdings, wall_now=self.wall())
             action = await self.engine_call(plan)
-            if ahead is not None and not self._fits(ahead, action, step):
-                self._drop_ahead(p, ahead, "its sync declared another state")
+            if ahead is not None and (unfit := self._unfit(ahead, action, step)):
+                self._drop_ahead(p, ahead, unfit)
                 ahead = None
+            elif ahead is not None:
+                ahead.step = step
             report.done = await self._drive(machine, action, report, ahead=ahead, t0=t0)
         except BaseException as e:
             if ahead is not None:
@@ -852,16 +855,13 @@ class Syncer:
         """The phase and round deadlines of fragment ``p``'s next all-reduce: measured
         from its past rounds (:mod:`atoll.protocol.deadlines`) when :attr:`deadline_rule`
         is set, else the manifest's ``part_s`` and ``round_s``. With the round's
-        ``members``: the manifest's too when one of them took part in none of the
-        fragment's last :data:`REGULAR_ROUNDS` applied rounds here since it last came back
-        from silence (a healed split's other side, a node back from a cut or a restart:
-        its sync may start seconds apart from the others', and its first rounds run
-        beside the state copies of the catch-up, which the measured rounds never saw).
-        With four such rounds counted, a split shorter than four rounds of the fragment
-        left the other side among the last rounds' members: after a 3|1 heal, a first
-        round of all four ran out at the measured 3 s floor while the lone node and its
-        donors copied states (twice in the faults benchmark; in the second run the
-        three never saw the lone node go silent, so its return did not count either)."""
+        ``members``: the manifest's too when one of them is not *regular* here
+        (:meth:`_regular`): a healed split's other side, a node back from a cut or a
+        restart, whose sync may start seconds apart from the others' and whose first
+        rounds run beside the state copies of the catch-up, which the measured rounds
+        never saw. After a 3|1 and a 2|2 heal in the faults benchmark, first rounds of all
+        four ran out at the measured 3 s floor so, the sides never having seen each other
+        go silent."""
         fixed = self.timeouts.part_s, self.timeouts.round_s
         if self.deadline_rule is None:
             return fixed
@@ -878,14 +878,24 @@ class Syncer:
         return tracker.current()
 
     def _regular(self, p: int, peer: str) -> bool:
-        """Whether ``peer`` took part in one of fragment ``p``'s last applied rounds here
-        since it last answered again after a silence (see :meth:`round_deadlines`)."""
+        """Whether ``peer``'s rounds of fragment ``p`` are like those measured here: it
+        took part in the fragment's last :data:`REGULAR_ROUNDS` applied rounds here since
+        it last answered again after a silence; or this node has been in unbroken touch
+        with it (:meth:`Liveness.in_touch_since`) from at least :data:`IN_TOUCH_S` seconds
+        before the fragment's last applied round here until after it. The second case is
+        a slow peer that kept falling behind and copying states (under load, a node of
+        three that sat out every round): had it counted as back from a split, its first
+        round with a member that froze would have waited out the manifest's deadlines."""
         liveness = self.peers.liveness
         back = liveness.returned_at(peer) if liveness is not None else None
-        return any(
-            peer in members and (back is None or at >= back)
-            for at, members in self._regulars.get(p, ())
-        )
+        rounds = self._regulars.get(p, ())
+        if any(peer in members and (back is None or at >= back) for at, members in rounds):
+            return True
+        if liveness is None or not rounds:
+            return False
+        since, heard = liveness.in_touch_since(peer), liveness.heard_at(peer)
+        last = rounds[-1][0]
+        return since is not None and heard is not None and since + IN_TOUCH_S <= last <= heard
 
     def _measured(
         self,
@@ -991,13 +1001,23 @@ class Syncer:
             self._hold(ahead.declaration.fragment, 0.0)
 
     @staticmethod
-    def _fits(ahead: _Ahead, action: fs.Action, step: int) -> bool:
-        """Whether the sync's first action declares what ``ahead`` prepared."""
-        if not isinstance(action, fs.FindGroup) or action.only_if_present:
-            return False
-        # the declaration's step is the sync's step: only the compat key can differ
-        same = mm.compat_key(ahead.declaration) == mm.compat_key(action.declaration)
-        return ahead.step == step and same
+    def _unfit(ahead: _Ahead, action: fs.Action, step: int) -> str:
+        """Why the sync's first action does not take what ``ahead`` prepared ("" when it
+        does): the reason its members are told."""
+        if not isinstance(action, fs.FindGroup):
+            return "its sync did not look for a group (it was behind or alone)"
+        if action.only_if_present:
+            return "its sync only joins a group already there"
+        # a sync at another step than the one foreseen (the trainer landed behind the
+        # swarm, or the pace was misread) takes the group all the same when it declares
+        # the same slot and state, as :meth:`prepare` lets the group follow its node:
+        # dropping it failed its members' round for nothing (a busy three-node swarm
+        # lost one round in ten so)
+        if mm.compat_key(ahead.declaration) != mm.compat_key(action.declaration):
+            if ahead.step != step:
+                return f"its sync came at step {step}, not {ahead.step}, with another state"
+            return "its sync declared another state"
+        return ""
 
     async def _ahead_group(
         self, ahead: _Ahead, seen: dict[str, tuple[int, str]], t0: float

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
 from atoll.dht.records import PeerRecord
 from atoll.node.net.peers import PeerTracker
+from atoll.protocol.errors import ConfigError
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings
 
@@ -153,6 +155,24 @@ def test_a_listener_hears_each_new_suspicion_with_the_failures_in_a_row() -> Non
     live.heard("x", 7.0)
     live.failed("x", 8.0)
     assert heard == [("x", 1), ("x", 2), ("x", 1)]
+
+
+def test_a_spell_of_contact_breaks_at_a_failure_or_a_gap_longer_than_gap_s() -> None:
+    """The other side of a split that nobody asked anything never failed, but a gap in
+    contact longer than gap_s starts a new spell all the same."""
+    live = Liveness(hold_s=5.0, gap_s=10.0)
+    assert live.in_touch_since("x") is None  # never heard
+    for t in (0.0, 8.0, 17.5, 27.0):  # never more than 10 s apart: one spell
+        live.heard("x", t)
+    assert live.in_touch_since("x") == 0.0 and live.returned_at("x") is None
+    live.heard("x", 40.0)  # 13 s of silence, no request failed
+    assert live.in_touch_since("x") == 40.0 and live.returned_at("x") is None
+    live.failed("x", 41.0)
+    assert live.in_touch_since("x") is None  # silent: not in touch
+    live.heard("x", 42.0)
+    assert live.in_touch_since("x") == 42.0 and live.returned_at("x") == 42.0
+    with pytest.raises(ConfigError):
+        Liveness(gap_s=0.0)
 
 
 def test_holdings_keep_only_believed_states_and_report_the_rest() -> None:

@@ -32,7 +32,14 @@ from atoll.node.net.memory import MemoryNetwork
 from atoll.node.net.peers import PeerTracker
 from atoll.node.net.publisher import AttestationPublisher
 from atoll.node.net.rounds import Mailbox
-from atoll.node.net.syncer import FALL_BACK_AFTER_S, Syncer, SyncReport, answer_bound, inline
+from atoll.node.net.syncer import (
+    FALL_BACK_AFTER_S,
+    IN_TOUCH_S,
+    Syncer,
+    SyncReport,
+    answer_bound,
+    inline,
+)
 from atoll.protocol import allreduce as ar
 from atoll.protocol import matchmaking as mm
 from atoll.protocol import statefetch as sf
@@ -710,11 +717,27 @@ def test_a_member_silent_mid_round_costs_the_measured_deadline_not_the_manifests
             assert nodes[0].syncer.round_deadlines(0, [*regulars, "peer-new"]) == fixed
             step = 3 + 4 * (MEASURED.min_samples + 1)
             if measured:
-                # a member that went silent and answers again (a healed cut or split) is
-                # not measured until it takes part in a round of the fragment again
                 liveness = nodes[0].syncer.peers.liveness
                 assert liveness is not None
                 now = trio.current_time()
+                # a peer of none of the rounds, but in unbroken touch from well before
+                # the last one until now (a slow node that sat them out, copying states),
+                # is measured; one whose contact broke for longer than gap_s (the other
+                # side of a split nobody asked anything) is not
+                start = now - IN_TOUCH_S - 20.0
+                for k in range(int((now - start) // 5.0) + 1):
+                    liveness.heard("peer-slow", start + 5.0 * k)
+                    if not 4 <= k <= 7:
+                        liveness.heard("peer-split", start + 5.0 * k)
+                liveness.heard("peer-slow", now)
+                liveness.heard("peer-split", now)
+                assert nodes[0].syncer.round_deadlines(0, [*regulars, "peer-slow"]) == (
+                    phase_s,
+                    round_s,
+                )
+                assert nodes[0].syncer.round_deadlines(0, [*regulars, "peer-split"]) == fixed
+                # a member that went silent and answers again (a healed cut or split) is
+                # not measured until it takes part in a round of the fragment again
                 liveness.failed(nodes[1].peer, now)
                 liveness.heard(nodes[1].peer, now + 0.001)
                 assert nodes[0].syncer.round_deadlines(0, regulars) == fixed
@@ -1546,10 +1569,17 @@ def test_a_group_formed_ahead_waits_for_a_peer_one_version_behind_until_the_sync
     _run(main)
 
 
+async def _sync_cancelled(node: Node, local: np.ndarray, step: int) -> None:
+    """A sync of fragment 0 at ``step`` cancelled as it begins (its trainer stopped)."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await node.syncer.sync(0, local, step)
+
+
 def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> None:
-    """A group formed ahead, then one member's sync declares another step (its group is
-    not for that sync): it tells the others, whose round fails at once rather than at the
-    part deadline, and no node is left with anything pending."""
+    """A group formed ahead, then one member's sync is cancelled as it begins (its group
+    is not taken): it tells the others, whose round fails at once rather than at the part
+    deadline, and no node is left with anything pending."""
 
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
@@ -1563,12 +1593,12 @@ def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> No
             async with trio.open_nursery() as syncs:
                 for n, local in zip(nodes[:3], locals_[:3], strict=True):
                     syncs.start_soon(_sync, n, local, 3)
-                syncs.start_soon(_sync, nodes[3], locals_[3], 7)  # in phase, 4 steps on
+                syncs.start_soon(_sync_cancelled, nodes[3], locals_[3], 3)
             others = [n.report for n in nodes[:3]]
             assert all(r.done.round_status == "failed" for r in others), others  # type: ignore[union-attr]
             assert all("left the group formed ahead" in r.done.reason for r in others)  # type: ignore[union-attr]
             assert all(r.seconds < TIMEOUTS.part_s / 2 for r in others), others  # type: ignore[union-attr]
-            assert not nodes[3].report.ahead  # type: ignore[union-attr]
+            assert nodes[3].syncer.prepared(0) is None
             for n in nodes:
                 assert n.engine.pending(0) is None
                 assert n.state() == start or n is nodes[3]
@@ -1608,12 +1638,40 @@ def test_a_group_formed_ahead_follows_its_node_to_another_step_of_the_same_slot(
     _run(main)
 
 
+def test_a_sync_at_another_step_of_the_same_slot_takes_the_group_formed_ahead() -> None:
+    """The group was formed ahead for a step that one node's sync does not come at (its
+    pace was misread, or a step note moved the group on before the sync it was for came):
+    the sync declares the same slot and state, so it takes the group, and all four commit
+    one copy (leaving failed the others' round for nothing)."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            start = nodes[0].state()
+            for n in nodes:
+                await n.syncer.peers.refresh()
+                assert n.syncer.prepare(0, 7 if n is nodes[3] else 3)
+            await trio.sleep(TRAIN_S)
+            locals_ = _locals(4)
+            async with trio.open_nursery() as syncs:
+                for n, local in zip(nodes, locals_, strict=True):
+                    syncs.start_soon(_sync, n, local, 3)
+            reports = [n.report for n in nodes]
+            assert all(r.done.applied and r.ahead for r in reports), reports  # type: ignore[union-attr]
+            assert all(len(r.done.members) == 4 for r in reports), reports  # type: ignore[union-attr]
+            assert len({n.state() for n in nodes}) == 1 and nodes[0].state() != start
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 @pytest.mark.parametrize("leaver_leads", [True, False])
 def test_after_a_pair_formed_ahead_breaks_up_the_next_attempts_at_the_slot_meet(
     leaver_leads: bool,
 ) -> None:
     """Two nodes form fragment 0's group ahead of the sync at step 3; one of them then
-    syncs at step 7 instead (it leaves that group, whose round fails for the other), and
+    has that sync cancelled and syncs at step 7 (it left that group, whose round fails
+    for the other), and
     the other's next sync, at step 7 too, comes right after: the same slot (the version
     did not move), a second attempt by each. Messages of the first attempt must not
     steer the second (a stale "slot closed" made one of them drop the other, and a
@@ -1644,7 +1702,12 @@ def test_after_a_pair_formed_ahead_breaks_up_the_next_attempts_at_the_slot_meet(
 
             async with trio.open_nursery() as syncs:
                 syncs.start_soon(stayer_twice)
-                syncs.start_soon(_sync, leaver, locals_[1], 7)
+
+                async def leaver_later() -> None:
+                    await _sync_cancelled(leaver, locals_[1], 3)
+                    await _sync(leaver, locals_[1], 7)
+
+                syncs.start_soon(leaver_later)
             reports = [n.report for n in nodes]
             assert all(r.done.applied for r in reports), reports  # type: ignore[union-attr]
             assert len({n.state() for n in nodes}) == 1 and nodes[0].state() != start
