@@ -1607,55 +1607,35 @@ def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> No
     _run(main)
 
 
-def test_a_group_formed_ahead_follows_its_node_to_another_step_of_the_same_slot() -> None:
-    """A group formed ahead for the sync at step 3; one node's trainer then jumps, and its
-    next sync of the fragment is at step 7, at the same slot and state (a node back from a
-    cut lands so). Its prepare for step 7 keeps the group instead of leaving it (which
-    failed the others' round): its sync at 7 takes it, and all four commit one copy."""
+@pytest.mark.parametrize("how", ["moved", "unforeseen"])
+def test_a_group_formed_ahead_follows_its_node_to_another_step_of_the_same_slot(
+    how: str,
+) -> None:
+    """A group formed ahead for the sync at step 3, and one node's sync of the fragment
+    comes at another step, at the same slot and state. ``moved``: its trainer jumped and
+    its next sync is at step 7 (a node back from a cut lands so); its prepare for step 7
+    keeps the group instead of leaving it. ``unforeseen``: its group was prepared for
+    step 7 (its pace misread, or a step note that moved the group on before the sync it
+    was for came) and its sync comes at 3. Either way its sync takes the group (leaving
+    failed the others' round for nothing), and all four commit one copy."""
 
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
             _, nodes = await _swarm(net, services, 4)
             start = nodes[0].state()
+            jumper = nodes[3]
             for n in nodes:
                 await n.syncer.peers.refresh()
-                assert n.syncer.prepare(0, 3)
+                assert n.syncer.prepare(0, 7 if how == "unforeseen" and n is jumper else 3)
             await trio.sleep(TRAIN_S)
-            jumper = nodes[3]
-            assert not jumper.syncer.prepare(0, 7)  # nothing new started: the group moves
-            assert jumper.syncer.prepared(0) == 7
+            if how == "moved":
+                assert not jumper.syncer.prepare(0, 7)  # nothing new started: the group moves
+                assert jumper.syncer.prepared(0) == 7
             locals_ = _locals(4)
             async with trio.open_nursery() as syncs:
                 for n, local in zip(nodes[:3], locals_[:3], strict=True):
                     syncs.start_soon(_sync, n, local, 3)
-                syncs.start_soon(_sync, jumper, locals_[3], 7)
-            reports = [n.report for n in nodes]
-            assert all(r.done.applied and r.ahead for r in reports), reports  # type: ignore[union-attr]
-            assert all(len(r.done.members) == 4 for r in reports), reports  # type: ignore[union-attr]
-            assert len({n.state() for n in nodes}) == 1 and nodes[0].state() != start
-            services.cancel_scope.cancel()
-
-    _run(main)
-
-
-def test_a_sync_at_another_step_of_the_same_slot_takes_the_group_formed_ahead() -> None:
-    """The group was formed ahead for a step that one node's sync does not come at (its
-    pace was misread, or a step note moved the group on before the sync it was for came):
-    the sync declares the same slot and state, so it takes the group, and all four commit
-    one copy (leaving failed the others' round for nothing)."""
-
-    async def main() -> None:
-        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
-            _, nodes = await _swarm(net, services, 4)
-            start = nodes[0].state()
-            for n in nodes:
-                await n.syncer.peers.refresh()
-                assert n.syncer.prepare(0, 7 if n is nodes[3] else 3)
-            await trio.sleep(TRAIN_S)
-            locals_ = _locals(4)
-            async with trio.open_nursery() as syncs:
-                for n, local in zip(nodes, locals_, strict=True):
-                    syncs.start_soon(_sync, n, local, 3)
+                syncs.start_soon(_sync, jumper, locals_[3], 7 if how == "moved" else 3)
             reports = [n.report for n in nodes]
             assert all(r.done.applied and r.ahead for r in reports), reports  # type: ignore[union-attr]
             assert all(len(r.done.members) == 4 for r in reports), reports  # type: ignore[union-attr]
