@@ -172,13 +172,17 @@ READY_TTL_SLACK_S = 10.0
 Offload = Callable[..., Awaitable[Any]]
 """``await offload(fn, *args)`` runs ``fn(*args)`` off the event loop and returns its result."""
 
-REGULAR_ROUNDS = 1
-IN_TOUCH_S = 30.0
+REGULAR_ROUNDS = 4
 """A fragment's round uses measured deadlines only when every other member took part in
-one of its last this many applied rounds here (else the manifest's). One: a member that
-missed the fragment's last round here (the other side of a split, a node back from a
-cut, a peer that came late) is not measured in its first round back, even when this
-node never saw it go silent (the sides of a split need not have tried each other)."""
+one of its last this many applied rounds here (else the manifest's). With one, a busy
+three-node swarm whose slowest node sat out rounds waited out the manifest's 40 s when
+a member froze; with four, a split shorter than four rounds of the fragment leaves the
+other side among the last rounds' members (a heal's first round may run out at the
+measured floor)."""
+
+IN_TOUCH_S = 30.0
+"""How long before a fragment's last applied round a peer must have been in unbroken
+contact to count as regular without having taken part in the fragment's rounds"""
 
 FALL_BACK_AFTER_S = 10.0
 """How long this node's committed state of a fragment may go uncertified, while fewer of
