@@ -114,16 +114,17 @@ def test_cli_bad_input_is_one_clear_line(tmp_path: Path) -> None:
     assert p.returncode == 2 and "steps must be int" in p.stderr
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(900)
 def test_parity_quick_smoke(tmp_path: Path) -> None:
-    # about 100 s on 2 idle cores; beside two CPU-bound jobs and the rest of the suite it
-    # took over 170 s
+    # about 100 s on 2 idle cores; beside two CPU-bound jobs it has taken from 170 s to
+    # over 420 s (torch's two threads share the cores with them), so the bound is wide:
+    # this test checks what the quick run reports, not how fast it is
     out = tmp_path / "quick.json"
     p = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "parity.py"), "--quick", "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=840,
         cwd=ROOT,
     )
     assert p.returncode == 0, p.stderr[-2000:]
