@@ -382,9 +382,8 @@ def _train(
             run.realign(realign_to, extend=bool(cfg.steps))
             then_to = -1
         elif jump_to > run.step + (0 if behind else lag_allowed):
-            spacing = -(-schedule.H // schedule.fragments)  # the widest between two starts
             ahead = min(schedule.H // schedule.fragments, 2 * manifest.tau)
-            land = schedule.landing(run.step, jump_to, spacing, ahead=ahead)
+            land = schedule.landing(run.step, jump_to, manifest.tau, ahead=ahead)
             run.jump(jump_to, extend=bool(cfg.steps), land=land)
             # landed on a sync the swarm began: start it, then on to the swarm's step
             then_to, landed = (jump_to, land) if land < jump_to else (-1, -1)

@@ -108,14 +108,9 @@ class Schedule:
         ``margin`` steps before ``target``; else on the first sync start after
         ``target`` when it lies at most ``ahead`` steps after it; else on ``target``.
 
-        A sync the swarm started up to ``margin`` steps ago may still be open to the
-        peer: the others hold its slot for the peers they know are due there, past the
-        ``tau`` steps after which its result is due (the node daemon passes the spacing
-        of sync starts, ``ceil(H / P)``, so that the last start before ``target`` is never
-        skipped: with ``tau`` as the margin, a node back from a silent cut landed 3
-        steps ahead of the swarm's step, past fragment 2's start 7 steps back, while the
-        three others held that slot open for it; fragment 2 had no round of all four
-        until its next period). Landing on ``target`` itself
+        A sync the swarm started up to ``margin`` steps ago (pass ``tau``: its result is
+        due ``tau`` steps after the start) may still be open to the peer: the others hold
+        its slot for the peers they know are due there. Landing on ``target`` itself
         would skip it, and the peer would meet that fragment a period later only (the
         faults benchmark's lone node, back from a 3|1 split, jumped to 801 while the
         three held fragment 1's slot open at 799, and that fragment had no round of all

@@ -197,23 +197,6 @@ def test_landing_is_the_last_sync_within_the_margin_else_the_next_within_ahead(
         assert land == target
 
 
-@FAST
-@given(s=schedules(), current=st.integers(0, 500), forward=st.integers(0, 300))
-def test_with_the_spacing_of_starts_as_margin_a_long_jump_skips_no_start_before_the_target(
-    s: Schedule, current: int, forward: int
-) -> None:
-    # the node daemon's margin: a node back from a cut, 45 steps behind, whose swarm was at
-    # 186 landed on 189 with the margin tau = 5, past fragment 2's start at 179 that the
-    # others held open for it; with the spacing it lands on 179
-    spacing = -(-s.H // s.fragments)
-    target = current + s.H + forward
-    land = s.landing(current, target, spacing, ahead=spacing)
-    assert land <= target and s.due(land)
-    assert not [step for step in range(land + 1, target + 1) if s.due(step)]
-    assert Schedule(30, 3).landing(141, 186, margin=10, ahead=10) == 179
-    assert Schedule(30, 3).landing(141, 186, margin=5, ahead=10) == 189
-
-
 def test_landing_refuses_bad_arguments() -> None:
     s = Schedule(30, 3)
     with pytest.raises(ConfigError):
