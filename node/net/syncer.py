@@ -182,7 +182,8 @@ measured floor)."""
 
 IN_TOUCH_S = 30.0
 """How long before a fragment's last applied round a peer must have been in unbroken
-contact to count as regular without having taken part in the fragment's rounds"""
+contact to count as regular without having taken part in the fragment's rounds
+(:meth:`Syncer._regular`)."""
 
 FALL_BACK_AFTER_S = 10.0
 """How long this node's committed state of a fragment may go uncertified, while fewer of
