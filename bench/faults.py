@@ -479,7 +479,6 @@ def analyse(
 
     forks = _forks(rounds, ran, round_timeout_s)
     digests = [(s or {}).get("global_digest") for s in summaries]
-    one_copy = None not in digests and len(set(digests)) == 1
     by_name = {p["name"]: p for p in out_phases}
     targets = _targets(by_name, phases, forks, digests)
     return {
@@ -487,7 +486,7 @@ def analyse(
         "fault_free_rounds_per_min": {i: round(v, 2) for i, v in base.items()},
         "forks": forks,
         "global_digests": digests,
-        "one_copy": one_copy,
+        "one_copy": targets["one copy at the end"]["pass"],
         "rounds": [
             {
                 "fragment": r.fragment,
