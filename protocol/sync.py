@@ -132,6 +132,7 @@ __all__ = [
     "Tamper",
     "fall_back",
     "holdings_of",
+    "rebase_target",
     "weight_cap",
 ]
 
@@ -590,19 +591,15 @@ class FragmentSync:
         """A FetchState from the first holder of the leading state when this peer does not
         hold it (:func:`~atoll.protocol.statesync.should_rebase`), else None; with
         ``at_most``, only a leading state of at most that version."""
-        others = [h for h in holdings if h[0] != self.peer_id]
-        if not others:  # nobody to follow (and no hash of the state needed to know it)
-            return None
+        holdings = list(holdings)
+        if not any(h[0] != self.peer_id for h in holdings):
+            return None  # nobody to follow (and no hash of the state needed to know it)
         mine = (self.engine.version(self.fragment), self.engine.digest(self.fragment))
-        believes = ss.believing_own(self._believes, mine)
-        if not ss.should_rebase(self.peer_id, mine, others, believes=self._believes):
+        copy = rebase_target(self.peer_id, mine, holdings, believes=self._believes)
+        if copy is None:
             return None
-        target = ss.leading_state([*others, (self.peer_id, *mine)], believes=believes)
-        assert target is not None
+        target, holders = copy
         if at_most is not None and target[0] > at_most:
-            return None
-        holders = list(dict.fromkeys(peer for peer, v, d in others if (v, d) == target))
-        if not holders:
             return None
         self._target = target
         self._holders = holders
@@ -684,6 +681,28 @@ def fall_back(
         return False
     engine.import_fragment(fragment, before)
     return True
+
+
+def rebase_target(
+    peer_id: str,
+    mine: tuple[int, str],
+    holdings: Iterable[Holding],
+    *,
+    believes: Callable[[int, str], bool] | None = None,
+) -> tuple[tuple[int, str], list[str]] | None:
+    """The ``(version, digest)`` a peer holding ``mine`` would copy from ``holdings``
+    (:func:`~atoll.protocol.statesync.should_rebase`, believed states only with
+    ``believes``) and the other peers that declare it, in order; None when it keeps its
+    own. The rule of a sync's rebase, also asked by a driver that copies the state ahead
+    of the sync."""
+    others = [h for h in holdings if h[0] != peer_id]
+    if not others or not ss.should_rebase(peer_id, mine, others, believes=believes):
+        return None
+    own = ss.believing_own(believes, mine)
+    target = ss.leading_state([*others, (peer_id, *mine)], believes=own)
+    assert target is not None
+    holders = list(dict.fromkeys(peer for peer, v, d in others if (v, d) == target))
+    return (target, holders) if holders else None
 
 
 def weight_cap(H: int, tokens_per_step: int) -> float:

@@ -71,6 +71,9 @@ loop, and kept for the next joiners while the engine holds that state
 before its last applied round (one copy per fragment): a certificate reaches a joiner a
 few seconds after the round it certifies, and in a swarm whose fragments move on every
 few seconds the holders were often one round further by the time the joiner asked.
+A node behind copies the state its next sync would rebase onto ahead of that sync
+(:meth:`Syncer.prefetch`, asked by the certificate watcher): the sync imports the copy at
+once, and the group formed ahead of it is formed at the copied state's slot.
 
 Groups formed ahead. Matchmaking needs nothing of the trainer's Δ: the slot, version and
 digest are the fragment's global copy, which does not change between two of its syncs,
@@ -79,7 +82,8 @@ before the trainer reaches a fragment's sync, :mod:`atoll.node.net.ahead`) runs 
 matchmaking in the background, and the sync that follows takes its group instead of
 forming one: a sync then costs the exchange alone, its announce, lookups, joins and group
 list hidden behind training. The group is used only when the sync declares exactly what
-was prepared (slot, version, digest and step); otherwise (the sync rebased first, say)
+was prepared (slot, version, digest and step; a sync that rebases onto the state copied
+ahead declares it right after the import); otherwise (the sync rebased first, say)
 this node tells the group's other members that it leaves it (an
 :class:`~atoll.protocol.allreduce.Abort` of the round, which ends their round at once
 rather than at its part deadline). A prepared matchmaking that ended alone before the
@@ -264,6 +268,18 @@ class _Ahead:
     the group open for the peers due at the slot"""
 
 
+@dataclass(slots=True)
+class _Copied:
+    """A fragment's state copied ahead of its sync (:meth:`Syncer.prefetch`)."""
+
+    target: tuple[int, str]
+    """its (version, digest), certified"""
+    state: ss.FragmentState
+    at_step: int
+    """this node's inner step when the copy ended (the donors' step then is
+    ``state.step``)"""
+
+
 class Syncer:
     """Runs the syncs of one node (see the module docstring)."""
 
@@ -383,6 +399,11 @@ class Syncer:
         once it lasts)"""
         self._told: set[int] = set()
         """fragments whose hold the peers were told of (they hear of its end too)"""
+        self._copied: dict[int, _Copied] = {}
+        """fragment -> the state its next sync would rebase onto, copied ahead of it
+        (:meth:`prefetch`)"""
+        self._copying: dict[int, tuple[tuple[int, str], trio.Event]] = {}
+        """fragment -> the state being copied ahead of its sync, set when the copy ends"""
 
     async def engine_call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (engine work) in a thread under :attr:`lock`."""
@@ -710,6 +731,7 @@ class Syncer:
             raise
         finally:
             self._syncing.discard(p)
+            self._forget_copied(p)
             self._attested(machine)
         report.seconds = round(trio.current_time() - t0, 3)
         return report
@@ -793,6 +815,9 @@ class Syncer:
             if isinstance(action, fs.SyncDone):
                 return action
             if isinstance(action, fs.FindGroup):
+                if ahead is not None and (unfit := self._unfit(ahead, action, ahead.step)):
+                    self._drop_ahead(machine.fragment, ahead, unfit)  # after a rebase
+                    ahead = None
                 found = await self._ahead_group(ahead, seen, t0) if ahead is not None else None
                 if report is not None and found is not None:
                     report.ahead = True
@@ -941,7 +966,7 @@ class Syncer:
         old = self._ahead.get(p)
         if self.background is None or p in self._syncing or (old is not None and old.step == step):
             return False
-        version, digest = self._mine(p)
+        version, digest = self._declares(p)
         if old is not None:
             same = (old.declaration.slot, old.declaration.version, old.declaration.digest)
             live = not old.done.is_set() or isinstance(old.found, mm.Formed)
@@ -1005,10 +1030,16 @@ class Syncer:
         if seconds <= 0 and held and ahead.started.is_set():
             self._hold(ahead.declaration.fragment, 0.0)
 
-    @staticmethod
-    def _unfit(ahead: _Ahead, action: fs.Action, step: int) -> str:
+    def _unfit(self, ahead: _Ahead, action: fs.Action, step: int) -> str:
         """Why the sync's first action does not take what ``ahead`` prepared ("" when it
-        does): the reason its members are told."""
+        does): the reason its members are told. A rebase onto the state copied ahead,
+        which the group was formed at, takes it (the sync looks for a group at that
+        state right after the import)."""
+        d = ahead.declaration
+        if isinstance(action, fs.FetchState):
+            kept = self._copied.get(d.fragment)
+            if kept is not None and kept.target == action.target == (d.version, d.digest):
+                return ""
         if not isinstance(action, fs.FindGroup):
             return "its sync did not look for a group (it was behind or alone)"
         if action.only_if_present:
@@ -1189,21 +1220,35 @@ class Syncer:
 
     async def _fetch(self, machine: fs.FragmentSync, action: fs.FetchState) -> fs.Action:
         """Copy the state from up to three of its holders at once (see the module
-        docstring); strike the donors caught sending what fails its check."""
+        docstring), or take the copy made ahead of the sync (:meth:`prefetch`)."""
         p, target = action.fragment, action.target
+        copied = await self._take_copied(p, target)
+        if copied is not None:
+            logger.info("fragment %d: version %d was copied ahead of its sync", p, target[0])
+            return await self.engine_call(machine.fetched, copied)
         donors = [d for d in (action.peers or (action.peer,)) if not self._banned(d)]
+        got = await self._copy(p, target, action.numel, donors)
+        if isinstance(got, str):
+            return machine.fetch_failed(got, everyone=True)
+        return await self.engine_call(machine.fetched, got)
+
+    async def _copy(
+        self, p: int, target: tuple[int, str], numel: int, donors: list[str]
+    ) -> ss.FragmentState | str:
+        """The state ``target`` of ``p`` copied from ``donors`` (or why not); strikes the
+        donors caught sending what fails its check."""
         try:
             fetch = sf.StateFetch(
                 me=self.transport.peer_id,
                 run_id=self.run_id,
                 fragment=p,
                 target=target,
-                numel=action.numel,
+                numel=numel,
                 donors=donors,
                 timeout_s=answer_bound(self.timeouts),
             )
         except AtollError as e:
-            return machine.fetch_failed(str(e), everyone=True)
+            return str(e)
         liveness = self.peers.liveness
         outcome = await fetch_pieces(
             self.transport,
@@ -1221,14 +1266,98 @@ class Syncer:
             elif drop.silent:
                 liveness.failed(drop.peer, now, f"a state request timed out: {drop.reason}")
         if isinstance(outcome, sf.GaveUp):
-            return machine.fetch_failed(outcome.reason, everyone=True)
+            return outcome.reason
         logger.info(
             "fragment %d: copied version %d from %s",
             p,
             target[0],
             ", ".join(d[-6:] for d in outcome.donors) or "nobody",
         )
-        return await self.engine_call(machine.fetched, outcome.state)
+        return outcome.state
+
+    # -- copies made ahead of a sync ------------------------------------------------------
+    async def prefetch(self, p: int) -> bool:
+        """Copy now the state that fragment ``p``'s next sync would rebase onto, when it
+        is not this node's (a node back from a cut or a split, one version behind or
+        more); whether a copy was made. The sync then imports it at once and offers its
+        Δ at the swarm's slot, in time for the group that forms there.
+
+        Without it, a node behind copies at its own sync step, which is the moment the
+        other nodes' next round of that fragment forms: over a 50 Mbit/s link the copy
+        ended just after their group closed, and the node chased the swarm one version
+        behind for two or three periods. The copy is taken only for the certified state
+        the rebase rule picks now (:func:`~atoll.protocol.sync.rebase_target`), one per
+        fragment, and dropped once the rule picks another state; the engine is not
+        touched (the trainer's copy is only ever changed by a sync's outcome). The
+        certificate watcher (:mod:`atoll.node.net.certwatch`) asks for it every few
+        seconds, right after its lookups."""
+        beliefs = self.peers.beliefs
+        if beliefs is None or p in self._syncing or p in self._copying:
+            return False
+        mine, numel = await self.engine_call(self._mine_and_size, p)
+        believes = functools.partial(beliefs.believes, p)
+        plan = fs.rebase_target(
+            self.transport.peer_id, mine, self.peers.holdings(p, mine), believes=believes
+        )
+        kept = self._copied.get(p)
+        if plan is None or (kept is not None and kept.target != plan[0]):
+            self._copied.pop(p, None)  # the rule keeps this node's state, or moved on
+        if plan is None or (kept is not None and kept.target == plan[0]):
+            return False
+        target, holders = plan
+        donors = [d for d in holders if not self._banned(d)]
+        done = trio.Event()
+        self._copying[p] = (target, done)
+        try:
+            got = await self._copy(p, target, numel, donors)
+        finally:
+            del self._copying[p]
+            done.set()
+        if isinstance(got, str):
+            logger.info("fragment %d: copying version %d ahead failed: %s", p, target[0], got)
+            return False
+        self._copied[p] = _Copied(target, got, self.step)
+        return True
+
+    def copied(self, p: int) -> tuple[int, str] | None:
+        """The (version, digest) of fragment ``p``'s state copied ahead of its sync, or
+        None."""
+        kept = self._copied.get(p)
+        return None if kept is None else kept.target
+
+    def _mine_and_size(self, p: int) -> tuple[tuple[int, str], int]:
+        return self._mine(p), int(self.engine.global_params(p).size)
+
+    async def _take_copied(self, p: int, target: tuple[int, str]) -> ss.FragmentState | None:
+        """The copy of ``target`` made ahead of ``p``'s sync (waiting for one under way),
+        its step moved on by the steps this node trained since (the donors trained as
+        many meanwhile: the trainer may jump to it); None when there is none."""
+        copying = self._copying.get(p)
+        if copying is not None and copying[0] == target:
+            with trio.move_on_after(self.timeouts.round_s):  # the copy's own bound
+                await copying[1].wait()
+        kept = self._copied.get(p)
+        if kept is None or kept.target != target:
+            return None
+        del self._copied[p]
+        step = kept.state.step + max(0, self.step - kept.at_step)
+        return dataclasses.replace(kept.state, step=step)
+
+    def _declares(self, p: int) -> tuple[int, str]:
+        """The state fragment ``p``'s next sync declares: this node's, or the one copied
+        ahead for it (the sync imports it first)."""
+        mine = self._mine(p)
+        kept = self._copied.get(p)
+        if kept is None or kept.target[0] < mine[0] or kept.target == mine:
+            return mine
+        return kept.target
+
+    def _forget_copied(self, p: int) -> None:
+        """Drop the copy made ahead for ``p`` once the engine holds its version or a
+        newer one (after a sync: it either imported it or moved past it)."""
+        kept = self._copied.get(p)
+        if kept is not None and kept.target[0] <= self.engine.version(p):
+            del self._copied[p]
 
     async def _holdings(self, p: int, seen: dict[str, tuple[int, str]]) -> list[fs.Holding]:
         """The live records' holdings of ``p``, updated by what the slot's declarations
