@@ -527,9 +527,7 @@ class Syncer:
         liveness = self.peers.liveness
         now = trio.current_time()
         return [
-            m
-            for m in att.members
-            if m != me and not liveness.silent(m) and self._unanswered.get(m, -math.inf) <= now
+            m for m in att.members if m != me and not liveness.silent(m) and self._may_ask(m, now)
         ]
 
     def _fall_back(self, p: int, unsure: _Unsure, now: float) -> bool:
@@ -598,6 +596,16 @@ class Syncer:
                 holders = self._holders(declared, version, digest)
                 nursery.start_soon(self._certify_state, p, version, digest, holders, bound)
 
+    def _may_ask(self, peer: str, now: float) -> bool:
+        """Whether ``peer`` may be asked for attestations: it left none unanswered within
+        the last :data:`ASK_BACKOFF_S`, or it went silent and answers again since (a cut
+        or split that healed: its answers are what the rebase after the heal waits for)."""
+        until = self._unanswered.get(peer)
+        if until is None or until <= now:
+            return True
+        back = self.peers.liveness.returned_at(peer)
+        return back is not None and back >= until - ASK_BACKOFF_S
+
     def _holders(self, declared: list[fs.Holding], version: int, digest: str) -> list[str]:
         """Up to :data:`MAX_ASKED` responsive peers, in random order, that declare
         ``(version, digest)``: not this node, not a banned or silent one, nor one that
@@ -613,7 +621,7 @@ class Syncer:
                 and peer != me
                 and not self._banned(peer)
                 and not liveness.silent(peer)
-                and self._unanswered.get(peer, -float("inf")) <= now
+                and self._may_ask(peer, now)
             }
         )
         random.shuffle(holders)  # a crowd of liars does not always take every turn

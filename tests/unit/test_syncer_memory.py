@@ -1181,6 +1181,48 @@ def test_a_joiner_asks_the_holders_for_the_certificate_the_board_lost() -> None:
     _run(main)
 
 
+def test_holders_silent_through_a_cut_are_asked_again_as_soon_as_they_answer() -> None:
+    """A node cut off from the swarm asks the holders of the swarm's new state for its
+    certificate and hears nothing: such peers are not asked again for ASK_BACKOFF_S. When
+    the cut heals and they answer again, they are asked at once (with nothing on the
+    board, their answers are the only source), so the node believes the state within one
+    answer bound of the heal instead of up to half a minute later."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 4)
+            rest, cut = nodes[:3], nodes[3]
+            net.partition([n.peer for n in rest], [cut.peer])
+            await _sync_nodes(rest, 3, 0)
+            ahead = rest[0].state()
+            await trio.sleep(1.0)
+            net.board._attests.clear()  # the DHT finds nothing
+            await cut.syncer.peers.refresh()
+            await cut.syncer.certify(0)  # asked, unanswered: backed off
+            beliefs = cut.syncer.peers.beliefs
+            assert beliefs is not None and not beliefs.believes(0, *ahead)
+            liveness = cut.syncer.peers.liveness
+            for n in rest:  # the DHT's requests to them time out meanwhile
+                liveness.failed(n.peer, trio.current_time(), "a DHT request timed out")
+            await trio.sleep(beliefs.retry_s + 1.0)
+            asked: list[str] = []
+            net.on_deliver = lambda sender, to, msg: (
+                asked.append(to) if isinstance(msg, AttestationRequest) else None
+            )
+            await cut.syncer.certify(0)  # still backed off: nobody is asked
+            assert not asked and not beliefs.believes(0, *ahead)
+            net.heal()
+            for n in rest:  # they answer again (a probe, a DHT reply)
+                liveness.heard(n.peer, trio.current_time())
+            t0 = trio.current_time()
+            await cut.syncer.certify(0)
+            assert asked and trio.current_time() - t0 <= answer_bound(TIMEOUTS)
+            assert beliefs.believes(0, *ahead)
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 def test_forged_or_foreign_seals_from_a_holder_make_no_state_believed() -> None:
     """A peer that declares a state of its own and answers attestation requests with
     forged, foreign and garbage seals gets its state believed by nobody, and nobody
