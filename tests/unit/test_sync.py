@@ -525,3 +525,18 @@ def test_fall_back_restores_the_state_before_the_round_only_while_it_is_held() -
     np.testing.assert_array_equal(engine.global_params(0), before.global_params)
     _applied_pair_round(engine, 0.25)  # the next round starts from the old slot again
     assert engine.version(0) == 1 and engine.digest(0) != committed[1]
+
+
+def test_rebase_target_names_the_leading_believed_state_and_its_holders_in_order() -> None:
+    """The rule a sync's rebase follows, asked on its own (a driver copying ahead): the
+    highest believed version, its holders in the order given (each once, this peer left
+    out); None when this peer holds the leading state or only unbelieved ones lead."""
+    mine = (3, "aa")
+    held = [("p2", 4, "bb"), ("me", 3, "aa"), ("p1", 4, "bb"), ("p2", 4, "bb"), ("p3", 9, "zz")]
+    believed = {(3, "aa"), (4, "bb")}
+    target = fs.rebase_target("me", mine, held, believes=lambda v, d: (v, d) in believed)
+    assert target == ((4, "bb"), ["p2", "p1"])
+    assert fs.rebase_target("me", (4, "bb"), held, believes=lambda v, d: (v, d) in believed) is None
+    assert fs.rebase_target("me", mine, [("me", 3, "aa")]) is None
+    # without beliefs every declared state counts
+    assert fs.rebase_target("me", mine, held) == ((9, "zz"), ["p3"])
