@@ -99,9 +99,6 @@ class LoopStats:
     """due syncs not started because the fragment's previous one was still in flight"""
     unfinished: int = 0
     """syncs whose result had not come when :meth:`StreamingLoop.finish` gave up on them"""
-    in_phase: int = 0
-    """due syncs not started after a jump because the fragment had met its round in this
-    period already (:meth:`StreamingLoop.in_phase`)"""
 
 
 class StreamingLoop:
@@ -127,10 +124,6 @@ class StreamingLoop:
         self.stats = LoopStats()
         self._apply_at: dict[int, int] = {}  # fragment -> step after which it is merged
         self._applied_step = [-1] * schedule.fragments  # start step of the last applied
-        self._trained = 0  # after_step calls: the steps trained (a jump skips many)
-        self._started: dict[int, tuple[int, int]] = {}  # fragment -> (start step, _trained)
-        self._met: set[int] = set()  # fragments whose last sync applied a round
-        self._skip: set[int] = set()  # fragments not to start at their next due step
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -146,59 +139,20 @@ class StreamingLoop:
 
         ``tokens`` is the trainer's total token count, handed to :meth:`Exchange.start`.
         """
-        self._trained += 1
         taken = self.collect(step)
         for p in [p for p, at in self._apply_at.items() if at <= step]:
             self._await(p, step, taken)
-        skip, self._skip = self._skip, set()
         for p in self.schedule.due(step):
             if self.exchange.in_flight(p):
                 self.stats.overlapped += 1
                 log.info("fragment %d: previous sync still in flight; this one skipped", p)
                 continue
-            if p in skip:
-                self.stats.in_phase += 1
-                log.info(
-                    "fragment %d: its round of this period was met already; not started again"
-                    " at step %d",
-                    p,
-                    step,
-                )
-                continue
             self.exchange.start(p, step, tokens)
-            self._started[p] = (step, self._trained)
-            self._met.discard(p)
             self.stats.started += 1
             self._apply_at[p] = step + self.tau
             if self.tau == 0:
                 self._await(p, step, taken)
         return taken
-
-    def in_phase(self, fragment: int) -> bool:
-        """Whether ``fragment``'s last sync started fewer than H trained steps ago (steps
-        jumped over do not count) and applied its round: the trainer met the swarm's
-        round of it in the current period.
-
-        A trainer that jumps to its swarm's step lands on a step where some fragment is
-        due. When that fragment is in phase already (its sync started before the jump
-        was held until the swarm came and joined the swarm's round of the step it jumps
-        to), starting it again would declare the *next* slot a period early: the node's
-        trainer is then held there while the swarm's other fragments' rounds pass
-        without it (the faults benchmark's lone node, back from a 3|1 split, so held 15 s
-        at fragment 1 and missed fragments 2 and 0). The driver then calls
-        :meth:`skip_next_start`."""
-        started = self._started.get(fragment)
-        return (
-            started is not None
-            and fragment in self._met
-            and self._trained - started[1] < self.schedule.H
-        )
-
-    def skip_next_start(self, fragment: int) -> None:
-        """Do not start ``fragment``'s sync at the next :meth:`after_step` (the step a
-        jump lands on; see :meth:`in_phase`). Only that step: a request not used there is
-        dropped."""
-        self._skip.add(fragment)
 
     def release(self, fragment: int) -> bool:
         """Stop awaiting ``fragment``'s sync at its apply step: its outcome is merged
@@ -262,10 +216,6 @@ class StreamingLoop:
             return outcome
         self.exchange.merge(p)
         self.stats.applied += 1
-        started = self._started.get(p)
-        rebased_only = outcome.reason.startswith("rebased") and "then applied" not in outcome.reason
-        if started is not None and started[0] == outcome.step and not rebased_only:
-            self._met.add(p)  # a round of its own sync, not only a copy of the swarm's state
         self._applied_step[p] = max(self._applied_step[p], outcome.step)
         if late:
             self.stats.late += 1

@@ -199,39 +199,3 @@ def test_merge_is_the_engines_arithmetic() -> None:
     g = np.ones((2, 3), np.float64)
     out = merge(np.zeros(6, np.float32), g, 0.0)  # alpha 0: a flat float32 copy of global
     assert out.shape == (6,) and out.dtype == np.float32
-
-
-def test_a_fragment_that_met_its_round_is_not_started_again_where_a_jump_lands() -> None:
-    """A trainer whose sync of fragment 0 (started at step 4) applied its round, then
-    jumps to step 44, where fragment 0 is due again: that fragment is in phase (fewer
-    than H steps trained since it started) and the driver skips its start there, once;
-    a fragment whose last sync failed, or one started H trained steps ago, is not."""
-    ex = FakeExchange(fail={(1, 9)})
-    loop = StreamingLoop(Schedule(H=10, fragments=2), ex, tau=3, apply_wait_s=1.0)  # 4, 9
-    _run(loop, range(4, 13))  # fragment 0 applied (awaited at 7), fragment 1 failed (at 12)
-    assert loop.in_phase(0) and not loop.in_phase(1)
-    loop.skip_next_start(0)
-    assert loop.after_step(44) == [] and not ex.in_flight(0)
-    assert loop.stats.in_phase == 1 and loop.stats.started == 2
-    _run(loop, range(45, 55))  # its next due step starts it as usual
-    assert ("start", 0, 54) in ex.events and ("start", 1, 49) in ex.events
-    # H trained steps after fragment 0's start at 54 it is no longer in phase (steps
-    # jumped over do not count)
-    _run(loop, range(55, 64))
-    assert loop.in_phase(0)
-    loop.after_step(80)
-    assert not loop.in_phase(0)
-
-
-def test_a_rebase_alone_does_not_put_a_fragment_in_phase() -> None:
-    """A sync that only copied the swarm's state met no round: a jump may start it."""
-
-    @dataclass
-    class Rebasing(FakeExchange):
-        def wait(self, fragment: int, timeout_s: float) -> SyncOutcome | None:
-            step = self.started.pop(fragment)
-            return SyncOutcome(fragment, step, True, 0, "rebased to version 3")
-
-    loop = StreamingLoop(Schedule(H=10, fragments=1), Rebasing(), tau=2, apply_wait_s=1.0)
-    _run(loop, range(9, 12))
-    assert loop.stats.applied == 1 and not loop.in_phase(0)
