@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -880,17 +880,29 @@ def test_a_node_one_version_behind_copies_the_state_and_joins_the_same_round() -
     _run(main)
 
 
-async def _behind_by_one(net: MemoryNetwork, services: trio.Nursery) -> list[Node]:
-    """Four nodes over links of 0.05 s; the last missed the round of version 0 and now
-    believes the others' version 1 (its certificate looked up)."""
-    _, nodes = await _swarm(net, services, 4)
-    await _sync_nodes(nodes[:3], 3, 0)
-    await trio.sleep(1.0)  # the members' attestations are published
-    late = nodes[3]
-    await late.syncer.peers.refresh()
-    await late.syncer.certify(0)
-    assert late.state()[0] == 0 and nodes[0].state()[0] == 1
-    return nodes
+def _behind_by_one(
+    body: Callable[[MemoryNetwork, list[Node]], Awaitable[None]], *, delay_s: float = 0.05
+) -> None:
+    """Run ``body`` on four nodes over links of ``delay_s``, the last of which missed the
+    round of version 0 and now believes the others' version 1 (its certificate looked
+    up)."""
+
+    async def main() -> None:
+        async with (
+            MemoryNetwork.open(run_id=RUN, delay_s=delay_s) as net,
+            trio.open_nursery() as services,
+        ):
+            _, nodes = await _swarm(net, services, 4)
+            await _sync_nodes(nodes[:3], 3, 0)
+            await trio.sleep(1.0)  # the members' attestations are published
+            late = nodes[3]
+            await late.syncer.peers.refresh()
+            await late.syncer.certify(0)
+            assert late.state()[0] == 0 and nodes[0].state()[0] == 1
+            await body(net, nodes)
+            services.cancel_scope.cancel()
+
+    _run(main)
 
 
 def _count_state_requests(net: MemoryNetwork, sender: str) -> list[object]:
@@ -911,31 +923,25 @@ def test_a_node_behind_copies_the_state_ahead_and_its_sync_imports_it_at_once() 
     untouched), so its sync sends no state request, imports the copy at once and joins the
     round of all four at the new version with its Δ."""
 
-    async def main() -> None:
-        async with (
-            MemoryNetwork.open(run_id=RUN, delay_s=0.05) as net,
-            trio.open_nursery() as services,
-        ):
-            nodes = await _behind_by_one(net, services)
-            late = nodes[3]
-            asked = _count_state_requests(net, late.peer)
-            t0 = trio.current_time()
-            assert await late.syncer.prefetch(0)
-            assert asked and trio.current_time() - t0 >= 0.1  # round trips to the holders
-            assert late.syncer.copied(0) == nodes[0].state()
-            assert late.state()[0] == 0 and late.engine.pending(0) is None  # untouched
-            assert not await late.syncer.prefetch(0)  # copied once
-            asked.clear()
-            await _sync_nodes(nodes, 7, 1)
-            assert not asked, asked  # the sync took the copy made ahead
-            done = late.report.done  # type: ignore[union-attr]
-            assert done.rebased and done.reason == "rebased to version 1, then applied", done
-            assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
-            assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
-            assert late.syncer.copied(0) is None  # imported: nothing kept
-            services.cancel_scope.cancel()
+    async def body(net: MemoryNetwork, nodes: list[Node]) -> None:
+        late = nodes[3]
+        asked = _count_state_requests(net, late.peer)
+        t0 = trio.current_time()
+        assert await late.syncer.prefetch(0)
+        assert asked and trio.current_time() - t0 >= 0.1  # round trips to the holders
+        assert late.syncer.copied(0) == nodes[0].state()
+        assert late.state()[0] == 0 and late.engine.pending(0) is None  # untouched
+        assert not await late.syncer.prefetch(0)  # copied once
+        asked.clear()
+        await _sync_nodes(nodes, 7, 1)
+        assert not asked, asked  # the sync took the copy made ahead
+        done = late.report.done  # type: ignore[union-attr]
+        assert done.rebased and done.reason == "rebased to version 1, then applied", done
+        assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
+        assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
+        assert late.syncer.copied(0) is None  # imported: nothing kept
 
-    _run(main)
+    _behind_by_one(body)
 
 
 def test_a_node_behind_forms_its_group_ahead_at_the_state_it_copied_ahead() -> None:
@@ -944,27 +950,20 @@ def test_a_node_behind_forms_its_group_ahead_at_the_state_it_copied_ahead() -> N
     four syncs take the group formed ahead and cost the exchange alone, the late node's
     import included."""
 
-    async def main() -> None:
-        async with (
-            MemoryNetwork.open(run_id=RUN, delay_s=0.05) as net,
-            trio.open_nursery() as services,
-        ):
-            nodes = await _behind_by_one(net, services)
-            late = nodes[3]
-            assert await late.syncer.prefetch(0)
-            for n in nodes:
-                await n.syncer.peers.refresh()
-                assert n.syncer.prepare(0, 7)
-            await _sync_nodes(nodes, 7, 1)
-            reports = [n.report for n in nodes]
-            assert all(r.ahead and r.done.applied for r in reports), reports  # type: ignore[union-attr]
-            assert all(len(r.done.members) == 4 for r in reports)  # type: ignore[union-attr]
-            assert reports[3].done.rebased  # type: ignore[union-attr]
-            assert all(r.seconds - r.traffic.seconds < 0.01 for r in reports), reports  # type: ignore[union-attr]
-            assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
-            services.cancel_scope.cancel()
+    async def body(net: MemoryNetwork, nodes: list[Node]) -> None:
+        assert await nodes[3].syncer.prefetch(0)
+        for n in nodes:
+            await n.syncer.peers.refresh()
+            assert n.syncer.prepare(0, 7)
+        await _sync_nodes(nodes, 7, 1)
+        reports = [n.report for n in nodes]
+        assert all(r.ahead and r.done.applied for r in reports), reports  # type: ignore[union-attr]
+        assert all(len(r.done.members) == 4 for r in reports)  # type: ignore[union-attr]
+        assert reports[3].done.rebased  # type: ignore[union-attr]
+        assert all(r.seconds - r.traffic.seconds < 0.01 for r in reports), reports  # type: ignore[union-attr]
+        assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
 
-    _run(main)
+    _behind_by_one(body)
 
 
 def test_a_copy_made_ahead_follows_the_swarm_and_a_stale_one_is_never_imported() -> None:
@@ -972,31 +971,28 @@ def test_a_copy_made_ahead_follows_the_swarm_and_a_stale_one_is_never_imported()
     and a sync whose rebase targets another state than the one kept copies that state
     itself; a node that holds the leading state keeps no copy."""
 
-    async def main() -> None:
-        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
-            nodes = await _behind_by_one(net, services)
-            late = nodes[3]
-            assert await late.syncer.prefetch(0)
-            v1 = late.syncer.copied(0)
-            await _sync_nodes(nodes[:3], 7, 1)  # version 2, again without the late node
-            await trio.sleep(1.0)
-            await late.syncer.peers.refresh()
-            await late.syncer.certify(0)
-            assert await late.syncer.prefetch(0)  # the newer state replaces the old copy
-            assert late.syncer.copied(0) == nodes[0].state() != v1
-            # the swarm moves on once more; the sync's rebase copies version 3 itself
-            await _sync_nodes(nodes[:3], 11, 2)
-            await trio.sleep(1.0)
-            asked = _count_state_requests(net, late.peer)
-            await _sync(late, _locals(1, seed=9)[0], 15)
-            assert asked and late.report.done.rebased, late.report  # type: ignore[union-attr]
-            assert late.state() == nodes[0].state() and late.state()[0] == 3
-            assert late.syncer.copied(0) is None  # passed: dropped after the sync
-            assert not await nodes[0].syncer.prefetch(0)  # it holds the leading state
-            assert nodes[0].syncer.copied(0) is None
-            services.cancel_scope.cancel()
+    async def body(net: MemoryNetwork, nodes: list[Node]) -> None:
+        late = nodes[3]
+        assert await late.syncer.prefetch(0)
+        v1 = late.syncer.copied(0)
+        await _sync_nodes(nodes[:3], 7, 1)  # version 2, again without the late node
+        await trio.sleep(1.0)
+        await late.syncer.peers.refresh()
+        await late.syncer.certify(0)
+        assert await late.syncer.prefetch(0)  # the newer state replaces the old copy
+        assert late.syncer.copied(0) == nodes[0].state() != v1
+        # the swarm moves on once more; the sync's rebase copies version 3 itself
+        await _sync_nodes(nodes[:3], 11, 2)
+        await trio.sleep(1.0)
+        asked = _count_state_requests(net, late.peer)
+        await _sync(late, _locals(1, seed=9)[0], 15)
+        assert asked and late.report.done.rebased, late.report  # type: ignore[union-attr]
+        assert late.state() == nodes[0].state() and late.state()[0] == 3
+        assert late.syncer.copied(0) is None  # passed: dropped after the sync
+        assert not await nodes[0].syncer.prefetch(0)  # it holds the leading state
+        assert nodes[0].syncer.copied(0) is None
 
-    _run(main)
+    _behind_by_one(body, delay_s=0.0)
 
 
 # --------------------------------------------------------------------------------------
