@@ -1308,9 +1308,10 @@ class Syncer:
             self.transport.peer_id, mine, self.peers.holdings(p, mine), believes=believes
         )
         kept = self._copied.get(p)
-        if plan is None or (kept is not None and kept.target != plan[0]):
-            self._copied.pop(p, None)  # the rule keeps this node's state, or moved on
-        if plan is None or (kept is not None and kept.target == plan[0]):
+        if kept is not None and (plan is None or kept.target != plan[0]):
+            del self._copied[p]  # the rule keeps this node's state, or moved on
+            kept = None
+        if plan is None or kept is not None:  # nothing to copy, or copied already
             return False
         target, holders = plan
         donors = [d for d in holders if not self._banned(d)]
