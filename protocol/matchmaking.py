@@ -1024,6 +1024,11 @@ class Matchmaker:
             and _is_int(msg.version)
         )
 
+    @property
+    def stated_steps(self) -> dict[str, int]:
+        """Each peer's step as its own messages of this slot stated it (a copy)."""
+        return dict(self._steps)
+
     def _stale(self, msg: Message) -> bool:
         """Whether ``msg`` is for an earlier attempt of this peer at this slot (its
         ``for_step`` names another step than ours: a failed round's slot is tried again

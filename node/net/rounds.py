@@ -580,7 +580,8 @@ async def run_matchmaking(
     max_step_lag: int = 0,
     alone_unless_seen_s: float | None = None,
     open_until: trio.Event | None = None,
-    held_elsewhere: Callable[[str], bool] | None = None,
+    comes_later: Callable[[str], str | None] | None = None,
+    stated: Callable[[str, int], None] | None = None,
 ) -> mm.Formed | mm.Alone:
     """Form (or fail to form) this node's group for ``me``'s slot; see the module docstring.
 
@@ -613,12 +614,16 @@ async def run_matchmaking(
     slot joined only when somebody is there; see :class:`~atoll.protocol.sync.FindGroup`).
     ``open_until``: a group formed ahead of its sync; until the event is set (the sync
     began), a leader that could form waits for the peers ``expected`` names
-    (:meth:`~atoll.protocol.matchmaking.Matchmaker.hold_open`). ``held_elsewhere``:
-    whether a peer's trainer is held now at another fragment's slot
-    (:mod:`atoll.protocol.held`); when every peer this slot still waits for is, the
-    trainer is let go (``hold(0)``) while the matchmaker keeps waiting for them: they
-    cannot come before their own waits end, and the trainer's next slots may be where
-    they wait for this node.
+    (:meth:`~atoll.protocol.matchmaking.Matchmaker.hold_open`). ``comes_later``:
+    why a peer due here cannot come before this node's trainer should move on (None: it
+    may come soon): its trainer is held now at another fragment's slot
+    (:mod:`atoll.protocol.held`), or it has already trained past the step this node's
+    trainer is held at (its schedule reaches this fragment's slot later; the two sides of
+    a healed split can differ by a sync period in one fragment). When every peer this
+    slot still waits for comes later, the trainer is let go (``hold(0)``) while the
+    matchmaker keeps waiting for them: holding it would only make it miss the slots of
+    other fragments, where those peers go first or wait for this node. ``stated``: called
+    at the end with each peer's step as its matchmaking messages of this slot stated it.
     """
     key = ("mm", me.run_id, me.fragment, me.slot)
     send_ch, events = trio.open_memory_channel[Event](1024)
@@ -694,28 +699,30 @@ async def run_matchmaking(
 
             io.start_soon(announce)
             io.start_soon(poll)
-            if outdated is not None or open_until is not None or held_elsewhere is not None:
+            if outdated is not None or open_until is not None or comes_later is not None:
                 io.start_soon(watch)
             if open_until is not None:
                 io.start_soon(opened)
 
             def let_go() -> None:
-                # every peer still awaited is held at another fragment's slot: none comes
-                # before its own wait ends, which may be a wait for this node
+                # every peer still awaited comes later than the trainer could wait for it:
+                # held at another fragment's slot (maybe waiting for this node), or past
+                # this node's step already (it reaches this slot after other slots)
                 nonlocal holding, released
-                if not holding or released or held_elsewhere is None or not awaited:
+                if not holding or released or comes_later is None or not awaited:
                     return
                 if machine.state in ("formed", "alone"):
                     return
-                if all(held_elsewhere(p) for p in awaited):
+                why = [comes_later(p) for p in awaited]
+                if all(why):
                     assert hold is not None
                     holding, released = False, True
                     logger.info(
-                        "fragment %d slot %d: the peers due here (%s) are held at other "
-                        "fragments' slots; the trainer trains on, the slot stays open",
+                        "fragment %d slot %d: the peers due here come later (%s); the "
+                        "trainer trains on, the slot stays open",
                         me.fragment,
                         me.slot,
-                        ", ".join(p[-6:] for p in awaited),
+                        "; ".join(f"{p[-6:]}: {w}" for p, w in zip(awaited, why, strict=True)),
                     )
                     hold(0.0)
 
@@ -761,6 +768,9 @@ async def run_matchmaking(
             driven = machine if banned is None else _Refusing(machine, banned)
             outcome = await _drive(driven, first, events, runner, observe)
             stop.set()
+            if stated is not None:
+                for peer, step in machine.stated_steps.items():
+                    stated(peer, step)
             if liveness is not None:
                 for peer in machine.silent:
                     liveness.failed(peer, trio.current_time(), "silent as a leader")

@@ -394,6 +394,9 @@ class Syncer:
         """how many times a fragment fell back from a state nobody could certify"""
         self.held = HeldPeers()
         """where the peers said their trainers are held (:mod:`atoll.protocol.held`)"""
+        self._steps: dict[str, int] = {}
+        """peer -> the highest step it stated (declarations, matchmaking messages) at any
+        slot seen here: how far its trainer got at least"""
         self._holding: dict[int, object] = {}
         """fragment -> a token of its trainer hold in force (the peers are told of it
         once it lasts)"""
@@ -1148,6 +1151,7 @@ class Syncer:
                 if d.peer_id != self.transport.peer_id:
                     seen[d.peer_id] = (d.version, d.digest)
                     self.peers.saw(d.peer_id)
+                    self._saw_step(d.peer_id, d.step)
 
         def outdated() -> str | None:
             # the certificates known now; the states not believed yet are looked up in
@@ -1166,8 +1170,14 @@ class Syncer:
         if hold is None and self.on_hold is not None and not only_if_present:
             hold = functools.partial(self._hold, me.fragment)
 
-        def held_elsewhere(peer: str) -> bool:
-            return self.held.elsewhere(peer, me.fragment, now=trio.current_time())
+        def comes_later(peer: str) -> str | None:
+            held = self.held.held_at(peer, now=trio.current_time())
+            if held is not None and held != me.fragment:
+                return f"held at fragment {held}'s slot"
+            step = self._steps.get(peer, -1)
+            if 0 <= me.step <= step:
+                return f"at step {step} already"
+            return None
 
         found = await run_matchmaking(
             self.transport,
@@ -1192,13 +1202,19 @@ class Syncer:
             hold=hold,
             alone_unless_seen_s=answer_bound(self.timeouts) if only_if_present else None,
             open_until=open_until,
-            held_elsewhere=held_elsewhere,
+            comes_later=comes_later,
+            stated=self._saw_step,
             step_period=self.engine.config.H,
             max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
         )
         came = found.members if isinstance(found, mm.Formed) else ()
         self._probe_absent(me, seen, came)
         return found
+
+    def _saw_step(self, peer: str, step: int) -> None:
+        """``peer`` stated ``step`` (at some slot): its trainer got at least that far."""
+        if step > self._steps.get(peer, -1):
+            self._steps[peer] = step
 
     def _probe_absent(
         self, me: mm.Declaration, seen: dict[str, tuple[int, str]], came: tuple[str, ...] = ()

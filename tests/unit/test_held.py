@@ -1,6 +1,6 @@
 """Held trainers (atoll.protocol.held) and the sync that lets its trainer go when the
 peers it waits for are held at other fragments' slots (run_matchmaking's
-``held_elsewhere``)."""
+``comes_later``)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,9 @@ def test_a_sync_waiting_only_for_peers_held_elsewhere_lets_its_trainer_go(
             patience_s=setup.matchmaking_s,
             expected=lambda: ["peer-1"],
             hold=hold,
-            held_elsewhere=lambda peer: elsewhere and trio.current_time() >= 3.0,
+            comes_later=lambda peer: (
+                "held elsewhere" if elsewhere and trio.current_time() >= 3.0 else None
+            ),
         )
         assert isinstance(found, mm.Alone), found
         assert holds and holds[0][1] > 0, holds  # held with patience

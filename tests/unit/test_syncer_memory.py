@@ -503,6 +503,50 @@ def test_a_node_ahead_of_the_others_waits_for_them_and_rounds_with_them() -> Non
     _run(main)
 
 
+def test_a_node_whose_peers_come_a_period_later_lets_its_trainer_go_and_still_rounds() -> None:
+    """After a split heals, one fragment's slots can fall a sync period (H steps) later on
+    some peers than on this node: its peers met the last slot at step 7 where it met it
+    at step 3. At its next slot (step 7) they have not declared yet, although they trained
+    that far: holding its trainer for them would only have it miss the other fragments'
+    slots they go through first. So the trainer is let go at once while the slot stays
+    open, and all three round together when the peers come (at their step 11)."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 3)
+            h = nodes[0].engine.config.H
+            async with trio.open_nursery() as syncs:  # the last slot: steps 3 and 3 + H
+                syncs.start_soon(_sync, nodes[0], _locals(3)[0], 3)
+                for node, local in zip(nodes[1:], _locals(3)[1:], strict=True):
+                    syncs.start_soon(_sync, node, local, 3 + h)
+            assert {len(n.report.done.members) for n in nodes if n.report} == {3}
+            start = nodes[0].state()
+            holds: list[tuple[float, float]] = []
+            nodes[0].syncer.on_hold = lambda p, s: holds.append((s, trio.current_time()))
+            late_s = TIMEOUTS.matchmaking_s / 2
+            t0 = trio.current_time()
+
+            async def late(node: Node, local: np.ndarray) -> None:
+                await trio.sleep(late_s)
+                await _sync(node, local, 3 + 2 * h)
+
+            locals_ = _locals(3, seed=1)
+            async with trio.open_nursery() as syncs:
+                syncs.start_soon(_sync, nodes[0], locals_[0], 3 + h)
+                for node, local in zip(nodes[1:], locals_[1:], strict=True):
+                    syncs.start_soon(late, node, local)
+            for n in nodes:  # one round of all three
+                assert n.report is not None and len(n.report.done.members) == 3
+            assert len({n.state() for n in nodes}) == 1 and nodes[0].state() != start
+            (asked, at), (released, end) = holds
+            assert asked > 0 and released == 0.0, holds
+            assert end - at <= 2 * nodes[0].syncer.poll_s, holds  # let go at its next look
+            assert end < t0 + late_s, holds  # before the peers came
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 @pytest.mark.parametrize("rule", ["mean", "trimmed_mean", "centered_clip"])
 def test_the_manifests_robust_rule_holds_off_a_member_that_scales_its_update(rule: str) -> None:
     """One of 4 members sends its update scaled by 10^6: the plain mean takes it in, the
