@@ -64,6 +64,7 @@ def test_rounds_formed_before_the_heal_are_not_counted_as_regrouped(tmp_path: Pa
     heal = _heal(tmp_path, took=4.0)
     assert heal["rounds_to_full_per_fragment"] == {0: 3}  # both sides' last rounds first
     assert heal["rounds_to_full_per_fragment_formed_after"] == {0: 1}
+    assert heal["slots_to_full_per_fragment"] == {0: 1}
     assert heal["rounds_formed_before_the_heal"] == 2
     assert heal["seconds_to_full_round"] == 10.0
 
@@ -72,6 +73,8 @@ def test_a_round_formed_after_the_heal_counts_in_both(tmp_path: Path) -> None:
     heal = _heal(tmp_path, took=0.5)  # formed 0.5 s after the heal
     assert heal["rounds_to_full_per_fragment"] == {0: 3}
     assert heal["rounds_to_full_per_fragment_formed_after"] == {0: 3}
+    # the sides' two groups of slot 5 are one round of the swarm, split: slot 6 is its 2nd
+    assert heal["slots_to_full_per_fragment"] == {0: 2}
     assert heal["rounds_formed_before_the_heal"] == 0
 
 
