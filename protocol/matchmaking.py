@@ -20,7 +20,9 @@ reshuffled at every slot so that no peer leads every round.
 
 - If the lowest is the peer itself, it *leads*: it accepts join requests
   (:class:`JoinRequest`) until the group holds ``max_size`` members, or until
-  ``min_quorum`` members are in and ``grace_s`` has passed since the quorum was reached.
+  ``min_quorum`` members are in and ``grace_s`` has passed since the quorum was reached
+  (twice that while a peer the driver expects at the slot has not joined: see
+  :meth:`Matchmaker.expect`).
   Then it sends one :class:`GroupFormed` with the member list (ordered by rank, so the
   leader comes first) to every member and is :class:`Formed`. A leader that learns of a
   lower-ranked compatible peer before that moment steps down: it sends a
@@ -576,6 +578,8 @@ class Matchmaker:
         self._deadline = float(now) + float(timeout)
         self._extended = False
         self._awaited = False  # peers are expected here that have not declared yet
+        # the peers expected here that were not known at the slot when named (``expect``)
+        self._due: frozenset[str] = frozenset()
         # a group formed ahead of its sync: the leader waits for these before it forms
         self._open_for: frozenset[str] = frozenset()
         self._past: dict[str, int] = {}  # peers that said they are past this slot: step
@@ -657,7 +661,7 @@ class Matchmaker:
         at = self._deadline
         if self._state == "leading":
             if self._quorum_at is not None and not self._held_open():
-                at = min(at, self._quorum_at + self.settings.grace_s)
+                at = min(at, self._form_at())
             if self._accepted:
                 at = min(at, self._keepalive_at)
         silent_at = self._silent_at()
@@ -700,9 +704,12 @@ class Matchmaker:
         if self._state in ("formed", "alone"):
             return out
         known = self._ranks.keys() | self._excluded | {self._id}
-        if any(p not in known for p in peers):
+        due = frozenset(p for p in peers if p not in known)
+        self._due |= due
+        if due:
             self._awaited = True
             self._extend()
+        out.extend(self._maybe_form(now))
         return out
 
     def hold_open(self, peers: Iterable[str], *, now: float) -> list[Action]:
@@ -933,11 +940,21 @@ class Matchmaker:
             return []
         if 1 + len(self._accepted) >= self.settings.max_size:
             return self._form()
-        if self._quorum_at is not None and now >= self._quorum_at + self.settings.grace_s:
+        if self._quorum_at is not None and now >= self._form_at():
             if self._held_open():
                 return []
             return self._form()
         return []
+
+    def _form_at(self) -> float:
+        """When a leader with a quorum (since ``_quorum_at``) forms: after ``grace_s``, or
+        after twice that while a peer expected at the slot has not come yet (one a few
+        seconds behind the others, say after a rebase, then lands in this round rather
+        than finding it closed and missing it)."""
+        assert self._quorum_at is not None
+        grace = self.settings.grace_s
+        late = any(p not in self._accepted and p not in self._excluded for p in self._due)
+        return self._quorum_at + (2 * grace if late else grace)
 
     def _form(self) -> list[Action]:
         """Close the group: one list, sent once to every member, never changed."""

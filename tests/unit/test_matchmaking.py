@@ -926,6 +926,35 @@ def test_a_group_held_open_ahead_waits_for_its_expected_peers_until_the_sync() -
     assert outcome(o.tick(6.0)) == [Formed(tuple(by_rank([lead, a])), lead, o.key)]
 
 
+def test_a_leader_gives_a_peer_due_at_the_slot_a_second_grace() -> None:
+    """The leader has its quorum at 0 (grace 1 s), but a peer due at the slot (its record)
+    has not declared: it forms at 2 s instead of 1 s, and at once when the peer joins
+    meanwhile (having declared, it is still waited for until its request comes). With no
+    peer due the usual grace holds."""
+    lead, a, late = by_rank(peers(3))
+    g = GroupSettings(2, 8, 1.0)
+    m = Matchmaker(decl(lead), g, now=0.0, timeout=6.0, patience=6.0)
+    m.observe([decl(lead), decl(a)], now=0.0)
+    m.receive(request(decl(a)), now=0.0)
+    m.expect([late], now=0.2)
+    assert m.next_deadline == 2.0 and outcome(m.tick(1.5)) == []
+    assert outcome(m.tick(2.0)) == [Formed(tuple(by_rank([lead, a])), lead, m.key)]
+    n = Matchmaker(decl(lead), g, now=0.0, timeout=6.0, patience=6.0)
+    n.observe([decl(lead), decl(a)], now=0.0)
+    n.receive(request(decl(a)), now=0.0)
+    n.expect([late], now=0.2)
+    n.observe([decl(lead), decl(a), decl(late)], now=1.5)
+    n.expect([], now=1.5)  # it declared: its request is what the leader waits for now
+    assert outcome(n.tick(1.6)) == []
+    out = n.receive(request(decl(late)), now=1.7)
+    assert outcome(out) == [Formed(tuple(by_rank([lead, a, late])), lead, n.key)]
+    o = Matchmaker(decl(lead), g, now=0.0, timeout=6.0, patience=6.0)
+    o.observe([decl(lead), decl(a)], now=0.0)
+    o.receive(request(decl(a)), now=0.0)
+    o.expect([], now=0.2)
+    assert outcome(o.tick(1.0)) == [Formed(tuple(by_rank([lead, a])), lead, o.key)]
+
+
 def test_a_peer_already_known_or_out_of_the_slot_extends_nothing() -> None:
     lead, a = by_rank(peers(2))
     m = Matchmaker(decl(lead), GroupSettings(2, 8, 1.0), now=0.0, timeout=6.0, patience=6.0)
