@@ -385,6 +385,7 @@ def _train(
             ahead = min(schedule.H // schedule.fragments, 2 * manifest.tau)
             land = schedule.landing(run.step, jump_to, manifest.tau, ahead=ahead)
             run.jump(jump_to, extend=bool(cfg.steps), land=land)
+            loop.landed(run.step)
             # landed on a sync the swarm began: start it, then on to the swarm's step
             then_to, landed = (jump_to, land) if land < jump_to else (-1, -1)
         elif then_to >= 0:

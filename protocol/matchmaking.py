@@ -432,6 +432,9 @@ class Formed:
     leader: str
     key: RoundKey
     """its ``group`` is the leader's tag of this list (from :class:`GroupFormed`)"""
+    met_at: int = -1
+    """the step at which the other members started this sync, as their messages of the
+    slot stated it (their median; a follower hears its leader's only); -1: unknown"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -980,8 +983,12 @@ class Matchmaker:
             for p in members
             if p != self._id
         ]
-        out.append(Formed(members, self._id, self.key))
+        out.append(Formed(members, self._id, self.key, self._met_at(members)))
         return out
+
+    def _met_at(self, members: tuple[str, ...]) -> int:
+        steps = [self._steps[p] for p in members if p != self._id and p in self._steps]
+        return statistics.median_low(steps) if steps else -1
 
     def _group_tag(self, members: tuple[str, ...]) -> str:
         """The tag of the list this peer forms as leader: a hash of the leader, this
@@ -1162,7 +1169,7 @@ class Matchmaker:
         self._leader = msg.sender
         self._group = msg.group if isinstance(msg.group, str) else ""
         self._target = None
-        return [Formed(self._members, msg.sender, self.key)]
+        return [Formed(self._members, msg.sender, self.key, self._met_at(self._members))]
 
     def _members_problem(self, leader: str, members: object) -> str | None:
         """Why a GroupFormed's list cannot be ours, or None when it can."""

@@ -49,6 +49,10 @@ class SyncOutcome:
     """the fragment's global version the Δ was taken against (-1 when unknown)"""
     reason: str = ""
     """why the round was not applied (empty when it was; ``rebased ...`` after a rebase)"""
+    met_at: int = -1
+    """the step at which the round's other members started their syncs of it (-1: no
+    round ran, or not known): a trainer that jumps to that step has met this period's
+    round of the fragment already"""
 
 
 class Exchange(Protocol):
@@ -99,6 +103,9 @@ class LoopStats:
     """due syncs not started because the fragment's previous one was still in flight"""
     unfinished: int = 0
     """syncs whose result had not come when :meth:`StreamingLoop.finish` gave up on them"""
+    met_already: int = 0
+    """due syncs not started at a jump's landing: their round of the period was met
+    already (:meth:`StreamingLoop.landed`)"""
 
 
 class StreamingLoop:
@@ -124,6 +131,8 @@ class StreamingLoop:
         self.stats = LoopStats()
         self._apply_at: dict[int, int] = {}  # fragment -> step after which it is merged
         self._applied_step = [-1] * schedule.fragments  # start step of the last applied
+        self._met_at = [-1] * schedule.fragments  # the members' start of the last round met
+        self._landed = -1  # the step a jump landed on, until its syncs are due
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -142,10 +151,20 @@ class StreamingLoop:
         taken = self.collect(step)
         for p in [p for p, at in self._apply_at.items() if at <= step]:
             self._await(p, step, taken)
+        landed, self._landed = self._landed == step, -1
         for p in self.schedule.due(step):
             if self.exchange.in_flight(p):
                 self.stats.overlapped += 1
                 log.info("fragment %d: previous sync still in flight; this one skipped", p)
+                continue
+            if landed and self._met_at[p] == step:
+                self.stats.met_already += 1
+                log.info(
+                    "fragment %d: its round that the swarm began at step %d was met already;"
+                    " not started again",
+                    p,
+                    step,
+                )
                 continue
             self.exchange.start(p, step, tokens)
             self.stats.started += 1
@@ -153,6 +172,21 @@ class StreamingLoop:
             if self.tau == 0:
                 self._await(p, step, taken)
         return taken
+
+    def landed(self, step: int) -> None:
+        """The trainer jumped to ``step``, the swarm's step (or a sync start next to it):
+        a fragment due there is not started when the round this node met last began at
+        ``step`` for its other members. This node's own sync of that round started
+        earlier (say, before a cut, and was held at the slot until the swarm came);
+        starting the fragment again would declare its next slot a whole period before
+        the swarm, and hold the trainer there while the swarm's rounds of the other
+        fragments pass."""
+        self._landed = step
+
+    def met_at(self, fragment: int) -> int:
+        """The step at which the other members began the last round of ``fragment`` this
+        node applied (-1: none, or not known)."""
+        return self._met_at[fragment]
 
     def release(self, fragment: int) -> bool:
         """Stop awaiting ``fragment``'s sync at its apply step: its outcome is merged
@@ -217,6 +251,8 @@ class StreamingLoop:
         self.exchange.merge(p)
         self.stats.applied += 1
         self._applied_step[p] = max(self._applied_step[p], outcome.step)
+        if outcome.met_at >= 0:
+            self._met_at[p] = outcome.met_at
         if late:
             self.stats.late += 1
             log.info("fragment %d: late result merged at step %d", p, step)

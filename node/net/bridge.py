@@ -45,7 +45,7 @@ Commands (msgpack arrays)::
     trainer -> network   ["start", fragment, step, tokens]   ["shutdown"]
                          ["snapshot", path]   (copy the engine's state for a checkpoint
                                                and write it to path)
-    network -> trainer   ["ready"]   ["outcome", fragment, step, applied, round, reason]
+    network -> trainer   ["ready"]   ["outcome", fragment, step, applied, round, reason, met_at]
                          ["hold", fragment, seconds]   (the sync waits for peers due
                                                         at its slot; 0 releases)
                          ["status", {field: value}]   (the whole NodeStatus, wire form;
@@ -282,7 +282,7 @@ def _decode(data: bytes) -> list[Any]:
 
 
 def _outcome_msg(o: SyncOutcome) -> list[Any]:
-    return ["outcome", o.fragment, o.step, o.applied, o.round, o.reason]
+    return ["outcome", o.fragment, o.step, o.applied, o.round, o.reason, o.met_at]
 
 
 # -- network process side -------------------------------------------------------------------
@@ -874,8 +874,10 @@ class NetworkBridge:
 
     def _handle(self, msg: list[Any]) -> None:
         kind = msg[0]
-        if kind == "outcome" and len(msg) == 6:
-            o = SyncOutcome(int(msg[1]), int(msg[2]), bool(msg[3]), int(msg[4]), str(msg[5]))
+        if kind == "outcome" and len(msg) == 7:
+            o = SyncOutcome(
+                int(msg[1]), int(msg[2]), bool(msg[3]), int(msg[4]), str(msg[5]), int(msg[6])
+            )
             if self._pending.pop(o.fragment, None) is None:
                 log.warning("outcome of fragment %d that has no sync in flight", o.fragment)
                 return

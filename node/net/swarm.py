@@ -299,7 +299,8 @@ class _Node:
             # its peers refused it as out of step: the trainer moves to their step, back
             # or forth (before the outcome, on the same pipe)
             self.post(swarm_step=done.swarm_step)
-        return SyncOutcome(p, step, done.applied, done.round, done.reason)
+        met_at = report.met_at if done.round_status == "applied" else -1
+        return SyncOutcome(p, step, done.applied, done.round, done.reason, met_at)
 
     async def catch_up(self) -> int:
         """Rebase every fragment that the peers' records show behind; the step to start at."""

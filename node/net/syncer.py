@@ -236,6 +236,9 @@ class SyncReport:
     """set when an all-reduce ran"""
     ahead: bool = False
     """its group was formed ahead of the sync (:meth:`Syncer.prepare`)"""
+    met_at: int = -1
+    """the step at which the last group formed for this sync started it, as its other
+    members stated (:attr:`~atoll.protocol.matchmaking.Formed.met_at`); -1: none formed"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -837,6 +840,8 @@ class Syncer:
                     found = await self._find_group(
                         machine, action.declaration, seen, only_if_present=action.only_if_present
                     )
+                if report is not None and isinstance(found, mm.Formed):
+                    report.met_at = found.met_at
                 holdings = await self._holdings(machine.fragment, seen)
                 action = await self.engine_call(machine.matched, found, holdings)
                 self._log_slot(action, machine, seen)

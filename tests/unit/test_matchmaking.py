@@ -955,6 +955,27 @@ def test_a_leader_gives_a_peer_due_at_the_slot_a_second_grace() -> None:
     assert outcome(o.tick(1.0)) == [Formed(tuple(by_rank([lead, a])), lead, o.key)]
 
 
+def test_formed_names_the_step_at_which_the_others_started_the_sync() -> None:
+    """A leader's Formed carries the median (low) of its members' stated steps, a
+    follower's its leader's step; -1 when nobody stated one."""
+    lead, a, b = by_rank(peers(3))
+    m = Matchmaker(decl(lead), GroupSettings(2, 3, 1.0), now=0.0, timeout=6.0)
+    m.observe([decl(lead), decl(a), decl(b)], now=0.0)
+    m.receive(dataclasses.replace(request(decl(a)), step=26), now=0.1)
+    out = m.receive(dataclasses.replace(request(decl(b)), step=24), now=0.2)
+    assert [f.met_at for f in outcome(out) if isinstance(f, Formed)] == [24]
+    f = Matchmaker(decl(a), GroupSettings(2, 3, 1.0), now=0.0, timeout=6.0)
+    f.observe([decl(lead), decl(a)], now=0.0)
+    f.receive(JoinAccept(lead, RUN, FRAG, SLOT, VERSION, DIGEST, step=30), now=0.1)
+    members = tuple(by_rank([lead, a]))
+    out = f.receive(GroupFormed(lead, RUN, FRAG, SLOT, VERSION, DIGEST, members), now=0.2)
+    assert outcome(out) == [Formed(members, lead, RoundKey(RUN, FRAG, VERSION), met_at=30)]
+    n = Matchmaker(decl(lead), GroupSettings(2, 2, 1.0), now=0.0, timeout=6.0)
+    n.observe([decl(lead), decl(a)], now=0.0)
+    out = n.receive(request(decl(a)), now=0.1)
+    assert [f.met_at for f in outcome(out) if isinstance(f, Formed)] == [-1]
+
+
 def test_a_peer_already_known_or_out_of_the_slot_extends_nothing() -> None:
     lead, a = by_rank(peers(2))
     m = Matchmaker(decl(lead), GroupSettings(2, 8, 1.0), now=0.0, timeout=6.0, patience=6.0)

@@ -520,6 +520,9 @@ def test_a_node_whose_peers_come_a_period_later_lets_its_trainer_go_and_still_ro
                 for node, local in zip(nodes[1:], _locals(3)[1:], strict=True):
                     syncs.start_soon(_sync, node, local, 3 + h)
             assert {len(n.report.done.members) for n in nodes if n.report} == {3}
+            # the others began that round at 3 + H: the report says so (the trainer of a
+            # node that jumps to 3 + H then starts no second sync of it there)
+            assert nodes[0].report is not None and nodes[0].report.met_at == 3 + h
             start = nodes[0].state()
             holds: list[tuple[float, float]] = []
             nodes[0].syncer.on_hold = lambda p, s: holds.append((s, trio.current_time()))
