@@ -269,6 +269,8 @@ class _Ahead:
     started: trio.Event = field(default_factory=trio.Event)
     """set when the sync takes the group (or it is dropped): until then a leader holds
     the group open for the peers due at the slot"""
+    dropped: bool = False
+    """dropped already (:meth:`Syncer._drop_ahead`): its members were told once"""
 
 
 @dataclass(slots=True)
@@ -1100,6 +1102,9 @@ class Syncer:
         this node leaves it (their round fails at once instead of at its deadline)."""
         if self._ahead.get(p) is ahead:
             del self._ahead[p]
+        if ahead.dropped:  # a sync that dropped it and then failed: told once is enough
+            return
+        ahead.dropped = True
         ahead.started.set()
         ahead.scope.cancel()
         found = ahead.found

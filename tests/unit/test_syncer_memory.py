@@ -1783,10 +1783,13 @@ async def _sync_cancelled(node: Node, local: np.ndarray, step: int) -> None:
         await node.syncer.sync(0, local, step)
 
 
-def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> None:
+def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A group formed ahead, then one member's sync is cancelled as it begins (its group
     is not taken): it tells the others, whose round fails at once rather than at the part
-    deadline, and no node is left with anything pending."""
+    deadline, and no node is left with anything pending. It tells them once: dropping
+    the group again (a sync that dropped it, then failed) sends nothing more."""
 
     async def main() -> None:
         async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
@@ -1796,11 +1799,16 @@ def test_a_node_that_leaves_a_group_formed_ahead_fails_its_round_at_once() -> No
                 await n.syncer.peers.refresh()
                 assert n.syncer.prepare(0, 3)
             await trio.sleep(TRAIN_S)
+            ahead = nodes[3].syncer._ahead[0]
+            caplog.set_level(logging.INFO, logger="atoll.node.net.syncer")
             locals_ = _locals(4)
             async with trio.open_nursery() as syncs:
                 for n, local in zip(nodes[:3], locals_[:3], strict=True):
                     syncs.start_soon(_sync, n, local, 3)
                 syncs.start_soon(_sync_cancelled, nodes[3], locals_[3], 3)
+            nodes[3].syncer._drop_ahead(0, ahead, "dropped again")
+            left = [r for r in caplog.records if "leaving the group formed ahead" in r.message]
+            assert len(left) == 1, left
             others = [n.report for n in nodes[:3]]
             assert all(r.done.round_status == "failed" for r in others), others  # type: ignore[union-attr]
             assert all("left the group formed ahead" in r.done.reason for r in others)  # type: ignore[union-attr]
