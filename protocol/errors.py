@@ -9,6 +9,7 @@ so that a node can back off from the first kind and strike a peer for the second
     ├── ConfigError              bad configuration or arguments given by the user
     ├── RetryableError           transient: try again, maybe with another peer
     │   ├── PeerUnavailable      a peer could not be reached or left mid-round
+    │   │   └── PeerTimedOut     it did not answer within a bound (silent, not reset)
     │   ├── ExchangeTimeout      a bounded wait ran out
     │   └── RoundAborted         a round ended without a result; nothing was applied
     └── RejectedInput            input that must not be used; never retried as is
@@ -29,6 +30,7 @@ __all__ = [
     "CodecError",
     "ConfigError",
     "ExchangeTimeout",
+    "PeerTimedOut",
     "PeerUnavailable",
     "RejectedContribution",
     "RejectedInput",
@@ -53,6 +55,11 @@ class RetryableError(AtollError):
 
 class PeerUnavailable(RetryableError):
     """A peer could not be reached, or disappeared during a round."""
+
+
+class PeerTimedOut(PeerUnavailable):
+    """A peer did not answer within a bound (a dial, a Hello, a send): it is silent or
+    too slow, not reset, so trying again at once only waits out the same bound."""
 
 
 class ExchangeTimeout(RetryableError):

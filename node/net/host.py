@@ -133,6 +133,7 @@ from atoll.protocol.errors import (
     CodecError,
     ConfigError,
     ExchangeTimeout,
+    PeerTimedOut,
     PeerUnavailable,
     unwrap_lone,
 )
@@ -492,7 +493,7 @@ class AtollHost:
                     raise
                 self._sent[peer_id] += size
         if scope.cancelled_caught:
-            raise PeerUnavailable(
+            raise PeerTimedOut(
                 f"sending {type(msg).__name__} ({size} bytes) to peer {peer_id} "
                 f"timed out after {self._config.send_timeout_s} s"
             )
@@ -551,7 +552,7 @@ class AtollHost:
             async with out.lock:
                 await self._stream_of(out, info, peer, addr)
         if scope.cancelled_caught:
-            raise PeerUnavailable(
+            raise PeerTimedOut(
                 f"connecting to peer {peer} took over {self._config.send_timeout_s} s "
                 "(a send in progress, the dial and the Hello exchange)"
             )
@@ -583,7 +584,7 @@ class AtollHost:
                     f"cannot connect to peer {peer}{where}: {_describe(e)}"
                 ) from e
         if dial_scope.cancelled_caught:
-            raise PeerUnavailable(
+            raise PeerTimedOut(
                 f"connecting to peer {peer}{where} timed out after {self._config.dial_timeout_s} s"
             )
         stream: INetStream | None = None
@@ -638,7 +639,7 @@ class AtollHost:
                 if stream is not None and not ok:
                     await _reset(stream)
         if hello_scope.cancelled_caught or stream is None:
-            raise PeerUnavailable(
+            raise PeerTimedOut(
                 f"peer {peer} did not complete the Hello exchange within "
                 f"{self._config.hello_timeout_s} s"
             )

@@ -52,7 +52,7 @@ Faults, all deterministic (one ``random.Random(seed)`` draws every jitter and du
   must not block; an exception in it ends the network's nursery (and so the test).
 
 Buffers are bounded: at most ``max_in_flight`` messages in flight (a send waits for room
-at most ``send_timeout_s``, then raises PeerUnavailable, as the host's send does) and
+at most ``send_timeout_s``, then raises PeerTimedOut, as the host's send does) and
 ``inbox_size`` unread messages per peer (a message that finds the inbox full is dropped,
 logged and counted in :attr:`MemoryNetwork.overflowed`; tests can assert it stays 0).
 """
@@ -72,7 +72,7 @@ import trio
 
 from atoll.dht.records import AttestationRecord, ReadyRecord
 from atoll.node.net.seam import ReadyBoard, RoundTransport
-from atoll.protocol.errors import ConfigError, ExchangeTimeout, PeerUnavailable
+from atoll.protocol.errors import ConfigError, ExchangeTimeout, PeerTimedOut, PeerUnavailable
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.messages import decode_message, encode_message
 
@@ -547,7 +547,7 @@ class MemoryNetwork:
                     self._push(sender, to, msg)
                     self.duplicated += 1
             return
-        raise PeerUnavailable(
+        raise PeerTimedOut(
             f"sending {type(msg).__name__} from {sender} to {to} timed out after "
             f"{self.send_timeout_s} s: {len(self._heap)} messages in flight"
         )

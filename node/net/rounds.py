@@ -64,7 +64,13 @@ from atoll.protocol.certificate import (
     AttestationSigner,
     AttestationVerifier,
 )
-from atoll.protocol.errors import AtollError, CodecError, ExchangeTimeout, PeerUnavailable
+from atoll.protocol.errors import (
+    AtollError,
+    CodecError,
+    ExchangeTimeout,
+    PeerTimedOut,
+    PeerUnavailable,
+)
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings
 
@@ -442,7 +448,10 @@ class _Runner:
                 await self.host.send(to, msg)
             except PeerUnavailable as e:
                 # a reset connection drops the stream; one more try opens a new one (a
-                # message that did arrive the first time is a harmless duplicate)
+                # message that did arrive the first time is a harmless duplicate). Not
+                # after a timeout: a silent peer would hold the send another bound
+                if isinstance(e, PeerTimedOut):
+                    raise
                 logger.info("sending %s to %s failed (%s); once more", type(msg).__name__, to, e)
                 await self.host.send(to, msg)
             if self.on_sent is not None:
