@@ -412,6 +412,8 @@ class Syncer:
         (:meth:`prefetch`)"""
         self._copying: dict[int, tuple[tuple[int, str], trio.Event]] = {}
         """fragment -> the state being copied ahead of its sync, set when the copy ends"""
+        self._fetching: dict[tuple[int, int, str], trio.Event] = {}
+        """(fragment, version, digest) -> set when the copy of that state under way ends"""
 
     async def engine_call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (engine work) in a thread under :attr:`lock`."""
@@ -756,6 +758,8 @@ class Syncer:
         """Copy fragment ``p``'s leading state when the live records show it is not this
         node's (a node that starts); a SyncDone with ``rebased`` set when it did."""
         machine = self._machine(p)
+        mark = p not in self._syncing  # a copy ahead (prefetch) leaves the fragment alone
+        self._syncing.add(p)
         try:
             mine = await self.certify(p)
             holdings = self.peers.holdings(p, mine)
@@ -764,6 +768,9 @@ class Syncer:
         except BaseException as e:
             await self._abort(machine, e)
             raise
+        finally:
+            if mark:
+                self._syncing.discard(p)
 
     async def catch_up_all(self, patience_s: float | None = None) -> list[fs.SyncDone]:
         """:meth:`catch_up` every fragment (the peers' records read first); the syncs that
@@ -1270,7 +1277,26 @@ class Syncer:
         self, p: int, target: tuple[int, str], numel: int, donors: list[str]
     ) -> ss.FragmentState | str:
         """The state ``target`` of ``p`` copied from ``donors`` (or why not); strikes the
-        donors caught sending what fails its check."""
+        donors caught sending what fails its check.
+
+        One copy of a state at a time: the donors' pieces are routed by the state they
+        belong to, so a second copy of the same state took the first one's pieces and
+        left it to run out its bound (at the end of a run, a copy made ahead started
+        beside the settle's own copy of the same state, and the settle failed after
+        40 s). A second caller waits for the first copy to end, then copies."""
+        key = (p, *target)
+        while (running := self._fetching.get(key)) is not None:
+            await running.wait()
+        ended = self._fetching[key] = trio.Event()
+        try:
+            return await self._copy_once(p, target, numel, donors)
+        finally:
+            del self._fetching[key]
+            ended.set()
+
+    async def _copy_once(
+        self, p: int, target: tuple[int, str], numel: int, donors: list[str]
+    ) -> ss.FragmentState | str:
         try:
             fetch = sf.StateFetch(
                 me=self.transport.peer_id,

@@ -45,6 +45,7 @@ from atoll.protocol import matchmaking as mm
 from atoll.protocol import statefetch as sf
 from atoll.protocol import statepieces as sp
 from atoll.protocol import statesync as ss
+from atoll.protocol import sync as fs
 from atoll.protocol.certificate import (
     Attestation,
     AttestationReply,
@@ -989,6 +990,50 @@ def test_a_node_behind_copies_the_state_ahead_and_its_sync_imports_it_at_once() 
         assert late.syncer.copied(0) is None  # imported: nothing kept
 
     _behind_by_one(body)
+
+
+def test_two_copies_of_one_state_at_once_both_end_well() -> None:
+    """At the end of a run the settle's catch-up copies a state while the certificate
+    watcher asks for the same state to be copied ahead. The donors' pieces are routed by
+    the state they belong to: a second copy used to take the first one's pieces and leave
+    it to run out its bound. Now the copy ahead leaves a fragment being caught up alone,
+    and two copies of one state run one after the other, each complete."""
+
+    async def body(net: MemoryNetwork, nodes: list[Node]) -> None:
+        late = nodes[3]
+        t0 = trio.current_time()
+        got: list[object] = []
+        async with trio.open_nursery() as both:
+
+            async def catch_up() -> None:
+                got.append(await late.syncer.catch_up(0))
+
+            async def ahead() -> None:
+                await trio.sleep(0.06)  # the catch-up's copy is under way
+                got.append(await late.syncer.prefetch(0))
+
+            both.start_soon(catch_up)
+            both.start_soon(ahead)
+        done, copied = got if isinstance(got[0], fs.SyncDone) else got[::-1]
+        assert isinstance(done, fs.SyncDone) and done.rebased, done
+        assert copied is False and late.state() == nodes[0].state()
+        # two copies of the same state at once (the private copy routine itself)
+        target, numel = nodes[0].state(), nodes[0].engine.global_params(0).size
+        donors = [n.peer for n in nodes[:3]]
+        async with trio.open_nursery() as both:
+            for _ in range(2):
+                both.start_soon(_append_copy, late, target, numel, donors, got)
+        states = got[2:]
+        assert len(states) == 2 and all(isinstance(s, ss.FragmentState) for s in states), states
+        assert trio.current_time() - t0 < TIMEOUTS.round_s  # no copy ran out its bound
+
+    _behind_by_one(body)
+
+
+async def _append_copy(
+    node: Node, target: tuple[int, str], numel: int, donors: list[str], out: list[object]
+) -> None:
+    out.append(await node.syncer._copy(0, target, int(numel), donors))
 
 
 def test_a_node_behind_forms_its_group_ahead_at_the_state_it_copied_ahead() -> None:
