@@ -26,7 +26,11 @@ reshuffled at every slot so that no peer leads every round.
   Then it sends one :class:`GroupFormed` with the member list (ordered by rank, so the
   leader comes first) to every member and is :class:`Formed`. A leader that learns of a
   lower-ranked compatible peer before that moment steps down: it sends a
-  :class:`Redirect` to its followers and joins the lower one itself. After GroupFormed the
+  :class:`Redirect` to its followers and joins the lower one itself. It may learn of it
+  from the DHT or from that peer itself: a leader whose known compatible peers have not
+  joined half a grace window after it began to lead sends each of them a
+  :class:`JoinRequest`, which upward in rank means "I lead here" (a *nudge*; a peer that
+  follows another leader stays with it, since its leader is nudged too). After GroupFormed the
   group is closed: later requests get a :class:`Disband` ("slot closed").
 - Otherwise it sends a :class:`JoinRequest` to the lowest and waits for the answer:
   :class:`JoinAccept` (it now *follows* and waits for the GroupFormed), :class:`Redirect`
@@ -568,7 +572,8 @@ class Matchmaker:
         self.max_step_lag = max(0, max_step_lag)
         # peers' steps as their own messages of this slot state them (for_step)
         self._steps: dict[str, int] = {}
-        self._refused_at: list[int] = []  # steps of the peers out of step whose step stands
+        # the peers out of step with this one whose step stands: their steps
+        self._refused_at: dict[str, int] = {}
         self.patience = float(patience)
         self.answer_s = None if answer_s is None else float(answer_s)
         """how long a silent leader is waited for (None: until the timeout)"""
@@ -605,6 +610,9 @@ class Matchmaker:
         # when we last heard from the target (or asked it); the leader's next keepalive
         self._heard_at = float(now)
         self._keepalive_at = math.inf
+        # as leader: since when, and the higher-ranked peers told so (see _nudge)
+        self._led_at = math.inf
+        self._nudged: set[str] = set()
         self.silent: list[str] = []
         """leaders dropped for silence in this slot, in order (for the driver's liveness)"""
 
@@ -665,6 +673,8 @@ class Matchmaker:
         if self._state == "leading":
             if self._quorum_at is not None and not self._held_open():
                 at = min(at, self._form_at())
+            if self._unnudged():
+                at = min(at, self._led_at + self.settings.grace_s / 2)
             if self._accepted:
                 at = min(at, self._keepalive_at)
         silent_at = self._silent_at()
@@ -774,6 +784,7 @@ class Matchmaker:
             if why is not None:
                 out.append(self._disband(msg.sender, f"{OUT_OF_STEP}: {why}"))
                 self._out_of_step_with(msg.sender, msg.step)
+                self._excluded.add(msg.sender)  # never in a group of ours: not nudged
             elif _is_num(msg.weight) and msg.weight >= 0:
                 out.extend(self._on_join(msg.sender, float(msg.weight), now))
         elif self._state in ("formed", "alone"):
@@ -831,7 +842,7 @@ class Matchmaker:
             return
         run = self.me.run_id
         if step_order(run, peer) < step_order(run, self._id):
-            self._refused_at.append(step)
+            self._refused_at[peer] = step
 
     def _keepalive_s(self) -> float:
         return math.inf if self.answer_s is None else self.answer_s / 2
@@ -896,10 +907,11 @@ class Matchmaker:
         if best == self._id:
             if self._state != "leading":
                 self._state = "leading"
+                self._led_at = now
                 self._accepted.clear()
                 self._quorum_at = None
                 self._count_quorum(now)
-            return self._maybe_form(now)
+            return self._nudge(now) + self._maybe_form(now)
         out: list[Action] = []
         if self._state == "leading":
             # step down: hand our followers to the lower peer, then join it ourselves
@@ -916,6 +928,35 @@ class Matchmaker:
                 JoinRequest(*self._head(), m.weight, m.step),
             )
         )
+        return out
+
+    def _unnudged(self) -> list[str]:
+        """The compatible peers known at the slot that have not joined this leader and
+        were not told of it yet (none of them excluded or waiting for an answer)."""
+        return [
+            p
+            for p in self._ranks
+            if p not in self._accepted
+            and p not in self._excluded
+            and p not in self._held
+            and p not in self._nudged
+        ]
+
+    def _nudge(self, now: float) -> list[Action]:
+        """A leader tells the compatible peers it knows that have not joined it within
+        half the grace window that it leads here: a :class:`JoinRequest` to a peer that
+        ranks above it. Each of them knows this peer now; one that leads steps down to it
+        (its followers are redirected here), one still looking asks it. After a split
+        heals, the sides' records reach peers at different times: the lowest-ranked
+        peer may see the others' declarations while the peer they follow has not seen
+        its own, and it led alone while the rest formed without it, slot after slot."""
+        if self._state != "leading" or now < self._led_at + self.settings.grace_s / 2:
+            return []
+        out: list[Action] = []
+        m = self.me
+        for p in self._unnudged():
+            self._nudged.add(p)
+            out.append(Send(p, JoinRequest(*self._head(), m.weight, m.step)))
         return out
 
     def _left_behind(self) -> bool:
@@ -1028,7 +1069,7 @@ class Matchmaker:
         self._quorum_at = None
         out.extend(self._release_held(self._deadline))
         if self._refused_at:
-            swarm_step = statistics.median_high(self._refused_at)
+            swarm_step = statistics.median_high(self._refused_at.values())
             reason = (
                 f"{OUT_OF_STEP} with {len(self._refused_at)} peer(s) whose step stands, at "
                 f"step {swarm_step}; this node started at {self.me.step}; then {reason}"
@@ -1074,8 +1115,13 @@ class Matchmaker:
             return [self._disband(sender, "slot closed: gave up for this slot")]
         r = _rank_of(self.me.run_id, self.me.fragment, self.me.slot, sender)
         if r < self._rank:
-            # honest peers only ask peers that rank below them
-            return [self._disband(sender, "you rank below me: I cannot lead you")]
+            # a peer below us says it leads here (its nudge): know it, and step down to
+            # it or ask it, unless it is out of the slot for us; a follower stays with
+            # its leader, which hears the same
+            if sender in self._excluded:
+                return [self._disband(sender, "you rank below me: I cannot lead you")]
+            self._ranks.setdefault(sender, r)
+            return self._decide(now)
         self._ranks.setdefault(sender, r)
         if self._state == "leading":
             if sender not in self._accepted:

@@ -328,9 +328,11 @@ def test_grace_window_takes_late_peers_then_closes() -> None:
     assert m.state == "searching" and m.next_deadline == 0.0
     assert m.observe([decl(lead), decl(a), decl(b)], now=0.0) == []
     assert m.state == "leading" and m.leader == lead
-    assert m.next_deadline == TIMEOUT  # no quorum yet: nothing before the timeout
+    assert m.next_deadline == 1.0  # no quorum yet: only its nudge, half the grace on
     accept = JoinAccept(lead, RUN, FRAG, SLOT, VERSION, DIGEST)
     assert sends(m.receive(request(decl(a)), now=0.5)) == [(a, accept)]
+    assert m.next_deadline == 1.0
+    assert [to for to, _ in sends(m.tick(1.0))] == [b]  # b has not come: told who leads
     assert m.next_deadline == 2.5  # quorum at 0.5, grace 2 s
     assert sends(m.receive(request(decl(b)), now=2.0)) == [(b, accept)]  # within grace
     assert m.tick(2.4) == []
@@ -427,12 +429,55 @@ def test_leader_steps_down_for_a_lower_peer_and_hands_over_its_followers() -> No
     assert sends(out) == [(late, Redirect(mid, RUN, FRAG, SLOT, VERSION, DIGEST, low))]
 
 
-def test_a_lower_ranked_requester_is_refused() -> None:
-    low, me = by_rank(peers(2))
-    m = Matchmaker(decl(me), GroupSettings(1, 8, 1.0), now=0.0, timeout=TIMEOUT)
-    m.tick(0.0)
+def test_a_request_from_below_is_a_nudge_a_leader_steps_down_to() -> None:
+    """A leader that learns from a request that a lower-ranked peer is at the slot (that
+    peer's nudge) steps down: it redirects its followers there and asks it. A peer
+    already out of the slot for it is refused, as before."""
+    low, me, f = by_rank(peers(3))
+    m = Matchmaker(decl(me), GroupSettings(2, 8, 1.0), now=0.0, timeout=TIMEOUT)
+    m.observe([decl(me), decl(f)], now=0.0)
+    m.receive(request(decl(f)), now=0.05)
     out = m.receive(request(decl(low)), now=0.1)
+    assert [(to, type(msg)) for to, msg in sends(out)] == [(f, Redirect), (low, JoinRequest)]
+    assert m.state == "searching" and m.leader == low
+    n = Matchmaker(decl(me), GroupSettings(1, 8, 1.0), now=0.0, timeout=TIMEOUT)
+    n.tick(0.0)
+    n.receive(Disband(low, RUN, FRAG, SLOT, VERSION, DIGEST, "gave up"), now=0.05)
+    out = n.receive(request(decl(low)), now=0.1)
     assert [type(msg) for _, msg in sends(out)] == [Disband]
+
+
+def test_a_leader_nobody_joins_nudges_the_peers_it_sees_and_gets_their_group() -> None:
+    """After a heal the lowest-ranked peer sees the others' declarations while the peer
+    they follow has not seen its own: it leads alone. Half a grace window on it tells
+    them (a request upward); their leader steps down, redirects its follower, and all
+    three end in one group led by the lowest."""
+    low, mid, high = by_rank(peers(3))
+    g = GroupSettings(2, 3, 2.0)
+    ms = {p: Matchmaker(decl(p), g, now=0.0, timeout=TIMEOUT) for p in (low, mid, high)}
+    queue: list[tuple[str, Message]] = []
+    queue += sends(ms[low].observe([decl(low), decl(mid), decl(high)], now=0.0))
+    queue += sends(ms[mid].observe([decl(mid), decl(high)], now=0.0))  # low unseen
+    queue += sends(ms[high].observe([decl(mid), decl(high)], now=0.0))
+    now = 0.0
+    while queue:
+        to, msg = queue.pop(0)
+        now += 0.01
+        queue += sends(ms[to].receive(msg, now=now))
+    assert ms[mid].state == "leading" and ms[low].state == "leading"  # two leaders
+    assert ms[mid].next_deadline is not None and ms[mid].next_deadline > 1.0
+    now = 1.0
+    formed: dict[str, Formed] = {}
+    queue += sends(ms[low].tick(now))  # the nudge
+    assert {to for to, _ in queue} == {mid, high}
+    while queue:
+        to, msg = queue.pop(0)
+        now += 0.01
+        acts = ms[to].receive(msg, now=now)
+        queue += sends(acts)
+        formed.update((to, o) for o in outcome(acts) if isinstance(o, Formed))
+    assert set(formed) == {low, mid, high}
+    assert {o.members for o in formed.values()} == {tuple(by_rank([low, mid, high]))}
 
 
 def test_foreign_declarations_and_messages_are_ignored() -> None:
