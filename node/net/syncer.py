@@ -1327,6 +1327,8 @@ class Syncer:
                 liveness.failed(drop.peer, now, f"a state request timed out: {drop.reason}")
         if isinstance(outcome, sf.GaveUp):
             return outcome.reason
+        for donor in outcome.donors:  # their trainers got that far (the donors' median)
+            self._saw_step(donor, outcome.state.step)
         logger.info(
             "fragment %d: copied version %d from %s",
             p,

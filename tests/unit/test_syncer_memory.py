@@ -979,6 +979,11 @@ def test_a_node_behind_copies_the_state_ahead_and_its_sync_imports_it_at_once() 
         assert asked and trio.current_time() - t0 >= 0.1  # round trips to the holders
         assert late.syncer.copied(0) == nodes[0].state()
         assert late.state()[0] == 0 and late.engine.pending(0) is None  # untouched
+        # the donors' step is known now: a slot of theirs the node holds its trainer at,
+        # at that step or before, is one they come to later (the "come later" rule)
+        donors = {n.peer for n in nodes[:3]}
+        assert donors & late.syncer._steps.keys()
+        assert all(late.syncer._steps[d] >= 3 for d in donors & late.syncer._steps.keys())
         assert not await late.syncer.prefetch(0)  # copied once
         asked.clear()
         await _sync_nodes(nodes, 7, 1)
