@@ -162,43 +162,36 @@ def test_a_released_sync_is_not_awaited_and_merges_when_it_comes() -> None:
     assert loop.stats.late == 1 and loop.stats.waits_run_out == 0
 
 
-def test_a_jump_onto_the_start_of_a_round_met_already_does_not_start_it_again() -> None:
-    """The node's sync of fragment 0 started at step 4 and was held until the swarm
-    began that round at step 24: the outcome says so (``met_at``). The trainer then
-    jumps to 24, fragment 0's start: it does not start fragment 0 there again (its next
-    slot would be a period early), and starts it at 34 as usual. Reaching 24 by training
-    (no jump: a node whose steps trail the swarm's by a period, in time with it) or a
-    jump onto a start whose round was not met, starts it."""
+def _met_at_24() -> tuple[FakeExchange, StreamingLoop]:
+    """Fragment 0's sync started at step 4, released, and its outcome came: the other
+    members began that round at step 24."""
     ex = FakeExchange()
     loop = StreamingLoop(Schedule(H=10, fragments=2), ex, tau=3, apply_wait_s=1.0)  # 4, 9
     loop.after_step(4)
     assert loop.release(0)
     ex.late.append(SyncOutcome(0, 4, True, 3, "", met_at=24))
     assert [o.met_at for o in loop.after_step(5)] == [24] and loop.met_at(0) == 24
-    loop.landed(24)
-    loop.after_step(24)
-    assert ("start", 0, 24) not in ex.events and loop.stats.met_already == 1
-    loop.after_step(34)
-    assert ("start", 0, 34) in ex.events
-    # no jump: started at 24
-    ex = FakeExchange()
-    loop = StreamingLoop(Schedule(H=10, fragments=2), ex, tau=3, apply_wait_s=1.0)
-    loop.after_step(4)
-    loop.release(0)
-    ex.late.append(SyncOutcome(0, 4, True, 3, "", met_at=24))
-    loop.after_step(5)
-    loop.after_step(24)
-    assert ("start", 0, 24) in ex.events and loop.stats.met_already == 0
-    # a jump onto another start: started there
-    ex = FakeExchange()
-    loop = StreamingLoop(Schedule(H=10, fragments=2), ex, tau=3, apply_wait_s=1.0)
-    loop.after_step(4)
-    loop.release(0)
-    ex.late.append(SyncOutcome(0, 4, True, 3, "", met_at=24))
-    loop.after_step(5)
-    loop.landed(34)
-    loop.after_step(34)
-    assert ("start", 0, 34) in ex.events and loop.stats.met_already == 0
+    return ex, loop
+
+
+@pytest.mark.parametrize(("landed", "start"), [(24, 34), (None, 24), (34, 34)])
+def test_a_jump_onto_the_start_of_a_round_met_already_does_not_start_it_again(
+    landed: int | None, start: int
+) -> None:
+    """The node's sync of fragment 0 started at step 4 and was held until the swarm
+    began that round at step 24: the outcome says so (``met_at``). A jump to 24,
+    fragment 0's start, does not start fragment 0 there again (its next slot would be a
+    period early): it starts at 34 as usual. Reaching 24 by training (no jump: a node
+    whose steps trail the swarm's by a period, in time with it) or a jump onto a start
+    whose round was not met (34) starts it there."""
+    ex, loop = _met_at_24()
+    if landed is not None:
+        loop.landed(landed)
+    for step in sorted({landed or 24, 34}):
+        loop.after_step(step)
+    starts = [s for kind, p, s in ex.events if kind == "start" and p == 0 and s > 4]
+    assert starts[0] == start
+    assert loop.stats.met_already == (1 if landed == 24 else 0)
 
 
 def test_finish_leaves_what_does_not_come() -> None:
