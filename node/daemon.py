@@ -600,7 +600,7 @@ class _Run:
         target = min(to, self.end - 1)
         if target <= self.step:
             return
-        logger.info("step %d: the sync it landed on started; on to step %d", self.step, target)
+        logger.info("step %d: past the sync start it landed on; on to step %d", self.step, target)
         self.jumped += target - self.step
         self.step = target  # the landed sync began since the move (see since_move)
 

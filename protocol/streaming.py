@@ -131,8 +131,9 @@ class StreamingLoop:
         self.stats = LoopStats()
         self._apply_at: dict[int, int] = {}  # fragment -> step after which it is merged
         self._applied_step = [-1] * schedule.fragments  # start step of the last applied
-        self._met_at = [-1] * schedule.fragments  # the members' start of the last round met
-        self._landed = -1  # the step a jump landed on, until its syncs are due
+        # per fragment: (this node's start, the other members' start) of the last round met
+        self._met = [(-1, -1)] * schedule.fragments
+        self._moved_to = -1  # the step the trainer last jumped to
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -151,13 +152,12 @@ class StreamingLoop:
         taken = self.collect(step)
         for p in [p for p, at in self._apply_at.items() if at <= step]:
             self._await(p, step, taken)
-        landed, self._landed = self._landed == step, -1
         for p in self.schedule.due(step):
             if self.exchange.in_flight(p):
                 self.stats.overlapped += 1
                 log.info("fragment %d: previous sync still in flight; this one skipped", p)
                 continue
-            if landed and self._met_at[p] == step:
+            if self._met_before_move(p, step):
                 self.stats.met_already += 1
                 log.info(
                     "fragment %d: its round that the swarm began at step %d was met already;"
@@ -175,18 +175,26 @@ class StreamingLoop:
 
     def landed(self, step: int) -> None:
         """The trainer jumped to ``step``, the swarm's step (or a sync start next to it):
-        a fragment due there is not started when the round this node met last began at
-        ``step`` for its other members. This node's own sync of that round started
-        earlier (say, before a cut, and was held at the slot until the swarm came);
-        starting the fragment again would declare its next slot a whole period before
-        the swarm, and hold the trainer there while the swarm's rounds of the other
-        fragments pass."""
-        self._landed = step
+        its steps count as the swarm's from now on. A fragment due at a step from here on
+        is not started when the round this node met last, through a sync it started
+        before the jump, began at that very step for its other members. That sync was
+        held at the slot until the swarm came (say, from before a cut); starting the
+        fragment again would declare its next slot a whole period before the swarm, and
+        hold the trainer there while the swarm's rounds of the other fragments pass."""
+        self._moved_to = step
 
     def met_at(self, fragment: int) -> int:
         """The step at which the other members began the last round of ``fragment`` this
         node applied (-1: none, or not known)."""
-        return self._met_at[fragment]
+        return self._met[fragment][1]
+
+    def _met_before_move(self, p: int, step: int) -> bool:
+        """Whether ``p``'s round that the swarm begins at ``step`` was met already, by a
+        sync started before the trainer's last jump (only then do this node's steps
+        count as the swarm's: a node whose steps trail the swarm's by whole periods but
+        keep time with it reaches that step a period later, at the next slot)."""
+        own, met = self._met[p]
+        return met == step and own < self._moved_to <= step
 
     def release(self, fragment: int) -> bool:
         """Stop awaiting ``fragment``'s sync at its apply step: its outcome is merged
@@ -252,7 +260,7 @@ class StreamingLoop:
         self.stats.applied += 1
         self._applied_step[p] = max(self._applied_step[p], outcome.step)
         if outcome.met_at >= 0:
-            self._met_at[p] = outcome.met_at
+            self._met[p] = (outcome.step, outcome.met_at)
         if late:
             self.stats.late += 1
             log.info("fragment %d: late result merged at step %d", p, step)

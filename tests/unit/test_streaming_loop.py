@@ -174,24 +174,26 @@ def _met_at_24() -> tuple[FakeExchange, StreamingLoop]:
     return ex, loop
 
 
-@pytest.mark.parametrize(("landed", "start"), [(24, 34), (None, 24), (34, 34)])
+@pytest.mark.parametrize(("landed", "start"), [(24, 34), (20, 34), (None, 24), (34, 34)])
 def test_a_jump_onto_the_start_of_a_round_met_already_does_not_start_it_again(
     landed: int | None, start: int
 ) -> None:
     """The node's sync of fragment 0 started at step 4 and was held until the swarm
-    began that round at step 24: the outcome says so (``met_at``). A jump to 24,
-    fragment 0's start, does not start fragment 0 there again (its next slot would be a
-    period early): it starts at 34 as usual. Reaching 24 by training (no jump: a node
-    whose steps trail the swarm's by a period, in time with it) or a jump onto a start
-    whose round was not met (34) starts it there."""
+    began that round at step 24: the outcome says so (``met_at``). After a jump to 24,
+    fragment 0's start, or to 20 (training on to 24), fragment 0 is not started at 24
+    again (its next slot would be a period early): it starts at 34 as usual. Reaching
+    24 by training with no jump (a node whose steps trail the swarm's by a period, in
+    time with it) or a jump past it (34) starts it."""
     ex, loop = _met_at_24()
     if landed is not None:
         loop.landed(landed)
-    for step in sorted({landed or 24, 34}):
-        loop.after_step(step)
+    first = 24 if landed is None else landed
+    for step in sorted({first, 24, 34}):
+        if step >= first:
+            loop.after_step(step)
     starts = [s for kind, p, s in ex.events if kind == "start" and p == 0 and s > 4]
     assert starts[0] == start
-    assert loop.stats.met_already == (1 if landed == 24 else 0)
+    assert loop.stats.met_already == (1 if landed in (20, 24) else 0)
 
 
 def test_finish_leaves_what_does_not_come() -> None:
