@@ -377,6 +377,7 @@ def _train(
     realign_to = -1  # its peers refused this node as out of step: their step
     then_to = landed = -1  # a jump landed on a sync start behind the swarm (landed): the
     # step to go on to once that sync started
+    last_step = run.step - 1  # the step trained last: another than this one - 1 is a move
     while run.step < run.end and not stop.by and not stop.finish:
         if realign_to >= 0 and realign_to != run.step:
             run.realign(realign_to, extend=bool(cfg.steps))
@@ -412,8 +413,11 @@ def _train(
             if f"alone: {BEHIND}:" in outcome.reason:
                 # the peers it asked had all left this slot: they train at their step
                 jump_to, behind = max(jump_to, bridge.status.swarm_step), True
+        moved = run.step != last_step + 1  # a jump, a realignment or a go-on
+        last_step = run.step
         run.step += 1
-        bridge.note_step(run.step)  # peers that copy a state from here start at this step
+        # peers that copy a state from here start at this step
+        bridge.note_step(run.step, moved=moved)
         if ckpts is not None:
             quiet = not loop.pending and not any(bridge.in_flight(p) for p in range(len(shared)))
             ckpts.poll(

@@ -301,8 +301,9 @@ class Settled:
 SettleHandler = Callable[[float], Awaitable[Settled]]
 """``await settle(timeout_s)``: bring every fragment onto the swarm's copy (network side)."""
 
-StepHandler = Callable[[int], None]
-"""``on_step(step)``: the trainer's current inner step (network side)."""
+StepHandler = Callable[[int, bool], None]
+"""``on_step(step, moved)``: the trainer's current inner step (network side); ``moved``
+when the trainer jumped or moved there rather than trained."""
 
 SnapshotHandler = Callable[[str], Awaitable[Callable[[], dict[str, Any]]]]
 """``await snapshot(path)`` copies the engine's state (under the engine's lock; the
@@ -428,9 +429,9 @@ async def serve(
                 nursery.start_soon(run_one, p, step, tokens)
             elif msg[0] == "settle" and len(msg) == 2:
                 nursery.start_soon(run_settle, float(msg[1]))
-            elif msg[0] == "step" and len(msg) == 2:
+            elif msg[0] == "step" and len(msg) in (2, 3):
                 if on_step is not None:
-                    on_step(int(msg[1]))
+                    on_step(int(msg[1]), bool(msg[2]) if len(msg) == 3 else False)
             elif msg[0] == "snapshot" and len(msg) == 2:
                 path = str(msg[1])
                 if snapshot is None:
@@ -601,16 +602,19 @@ class NetworkBridge:
     def alive(self) -> bool:
         return not self._closed and self._dead is None and self._proc.is_alive()
 
-    def note_step(self, step: int, *, every_s: float = 0.5) -> None:
+    def note_step(self, step: int, *, every_s: float = 0.5, moved: bool = False) -> None:
         """Tell the network process the trainer's current step (at most every
-        ``every_s``): a peer that copies a state from this node starts at this step, so
-        its syncs line up with the swarm's. Never blocks; a broken pipe is noticed later."""
+        ``every_s``; at once when ``moved``: the trainer jumped or moved there): a peer
+        that copies a state from this node starts at this step, so its syncs line up with
+        the swarm's. Never blocks; a broken pipe is noticed later."""
         now = time.monotonic()
+        if moved:
+            every_s = 0.0
         if now - self._step_sent_at < every_s or self._dead is not None or self._closed:
             return
         self._step_sent_at = now
         with contextlib.suppress(OSError):
-            _send(self._cmd, ["step", int(step)])
+            _send(self._cmd, ["step", int(step), bool(moved)])
 
     def in_flight(self, fragment: int) -> bool:
         """A sync of ``fragment`` was started and its outcome not yet handed out."""

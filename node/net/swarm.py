@@ -320,9 +320,12 @@ class _Node:
         await self.host.forget_peer(peer)
         return await self.dht.probe(peer)
 
-    def note_step(self, step: int) -> None:
+    def note_step(self, step: int, moved: bool = False) -> None:
         """The trainer's current step: handed to the peers that copy a state from here,
-        and the clock of the groups formed ahead of syncs."""
+        and the clock of the groups formed ahead of syncs. ``moved``: the trainer jumped
+        or moved there (:meth:`~atoll.node.net.syncer.Syncer.moved`)."""
+        if moved:
+            self.syncer.moved(step)
         self.syncer.step = max(self.syncer.step, step)
         if self.ahead is not None and self.training:
             self.syncer.passed(step)

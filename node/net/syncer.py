@@ -1382,6 +1382,15 @@ class Syncer:
         self._copied[p] = _Copied(target, got, self.step)
         return True
 
+    def moved(self, step: int) -> None:
+        """The trainer jumped or moved to ``step``, the swarm's step as it learnt it: the
+        copies made ahead count from there. A copy's step is the donors' step at the copy
+        plus the steps trained since; a jump counted as trained steps made the state's
+        step a jump too far, and the trainer jumped again, and again (a faults run saw a
+        node 180 steps ahead of its swarm within a minute, then the others follow it)."""
+        for p, kept in list(self._copied.items()):
+            self._copied[p] = _Copied(kept.target, dataclasses.replace(kept.state, step=step), step)
+
     def copied(self, p: int) -> tuple[int, str] | None:
         """The (version, digest) of fragment ``p``'s state copied ahead of its sync, or
         None."""

@@ -997,6 +997,27 @@ def test_a_node_behind_copies_the_state_ahead_and_its_sync_imports_it_at_once() 
     _behind_by_one(body)
 
 
+def test_a_jump_after_a_copy_made_ahead_is_not_counted_as_trained_steps() -> None:
+    """The copy's step is the donors' step at the copy (3 here) plus the steps trained
+    since. The node was behind (step 0) when it copied, then jumped to the donors' step:
+    counting the jump as trained steps put the state 3 steps past the swarm at its sync
+    (a faults run saw such jumps feed each other, 180 steps past the swarm in a minute).
+    After ``moved`` the copy counts from the step jumped to."""
+
+    async def body(net: MemoryNetwork, nodes: list[Node]) -> None:
+        late = nodes[3]
+        late.syncer.step = 0
+        assert await late.syncer.prefetch(0)
+        target = late.syncer.copied(0)
+        assert target is not None
+        late.syncer.moved(3)  # the trainer jumped to the swarm's step
+        late.syncer.step = 5  # and trained two steps
+        state = await late.syncer._take_copied(0, target)
+        assert state is not None and state.step == 5, state
+
+    _behind_by_one(body)
+
+
 def test_two_copies_of_one_state_at_once_both_end_well() -> None:
     """At the end of a run the settle's catch-up copies a state while the certificate
     watcher asks for the same state to be copied ahead. The donors' pieces are routed by
