@@ -401,7 +401,8 @@ class Syncer:
         """where the peers said their trainers are held (:mod:`atoll.protocol.held`)"""
         self._steps: dict[str, int] = {}
         """peer -> the highest step it stated (declarations, matchmaking messages) at any
-        slot seen here: how far its trainer got at least"""
+        slot seen here, or that a state copied from it carried: how far its trainer got
+        at least"""
         self._holding: dict[int, object] = {}
         """fragment -> a token of its trainer hold in force (the peers are told of it
         once it lasts)"""
@@ -1188,9 +1189,8 @@ class Syncer:
             hold = functools.partial(self._hold, me.fragment)
 
         def comes_later(peer: str) -> str | None:
-            held = self.held.held_at(peer, now=trio.current_time())
-            if held is not None and held != me.fragment:
-                return f"held at fragment {held}'s slot"
+            if self.held.elsewhere(peer, me.fragment, now=trio.current_time()):
+                return "held at another fragment's slot"
             step = self._steps.get(peer, -1)
             if 0 <= me.step <= step:
                 return f"at step {step} already"
