@@ -1194,6 +1194,19 @@ def _configure_libp2p_logging() -> None:
         lg = logging.getLogger(name)
         if not any(isinstance(f, _DropRaisedAgain) for f in lg.filters):
             lg.addFilter(_DropRaisedAgain(prefixes))
+    swarm = logging.getLogger("libp2p.network.swarm")
+    if not any(isinstance(f, _DropCancelled) for f in swarm.filters):
+        swarm.addFilter(_DropCancelled())
+
+
+class _DropCancelled(logging.Filter):
+    """Drops the records that carry a ``trio.Cancelled``: a connection still being set
+    up when the host closes is cancelled with it, and libp2p logs that with a traceback
+    (``[ADDCONN_FAIL]``) although nothing failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, trio.Cancelled)
 
 
 class _DropRaisedAgain(logging.Filter):
