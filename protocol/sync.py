@@ -61,7 +61,11 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    another peer is already there, else the sync ends rebased (the Δ is dropped) and the
    peer meets the swarm at its next regular sync of the fragment.
 4. :meth:`FragmentSync.reduced` with the all-reduce outcome: Done is delivered (commit),
-   Failed rolled back; a delivery the engine refuses is a roll back too.
+   Failed rolled back; a delivery the engine refuses is a roll back too. A round that
+   failed on a member's proven fault (a refused part, a wrong chunk: its proof travels
+   in the abort, so every member bans the culprit) may instead go back to matching
+   once (:meth:`FragmentSync.regroup`): the others do the same, and the slot's group
+   forms again without the culprit.
 5. After the round, the holdings seen meanwhile decide whether to rebase
    (:class:`FetchState`, naming every holder: the driver copies from several at once,
    :meth:`FragmentSync.fetched` imports a state at least as new as the target,
@@ -283,6 +287,7 @@ class FragmentSync:
         self._withdrawn = ""  # why matchmaking left the slot for a winning copy, if it did
         self._swarm_step: int | None = None  # the step of peers that refused ours
         self._discount = 1.0  # of Δ's token weight, offered versions after it was taken
+        self._regrouped = False  # the slot was sought once more after a member's fault
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -398,6 +403,32 @@ class FragmentSync:
         if self._tamper is not None:
             return RunRound(spec, *self._tamper(spec, request.payload, weight))
         return RunRound(spec, request.payload, weight)
+
+    @property
+    def may_regroup(self) -> bool:
+        """Whether :meth:`regroup` may be called now: a round is under way and the slot
+        was not sought again in this sync yet."""
+        return self._done is None and self._phase == "reducing" and not self._regrouped
+
+    def regroup(self, wall_now: float) -> FindGroup:
+        """Seek the slot's group once more, after the round failed on a member's proven
+        fault (the driver's strikes banned it): the round's other members saw the same
+        proof in its abort and seek the slot again too, so the group forms anew without
+        the culprit instead of losing the round (a NaN part or a hostile owner would
+        otherwise cost every member the round). Nothing was applied; Δ and its weight are
+        offered as before. Once per sync, and the slot is joined only when another peer
+        is there (:attr:`FindGroup.only_if_present`): a member that did not see the proof
+        rolled back and does not come."""
+        if not self.may_regroup:
+            raise ConfigError(
+                f"fragment {self.fragment}: regroup in phase {self._phase!r} "
+                f"(expected reducing, once per sync)"
+            )
+        request = self._request
+        assert request is not None
+        self._regrouped = True
+        self._members = ()
+        return self._find_group(request, wall_now, only_if_present=True)
 
     def reduced(self, result: ar.Done | ar.Failed, holdings: Iterable[Holding] = ()) -> Action:
         """The all-reduce outcome: deliver Done (commit) or roll back Failed.

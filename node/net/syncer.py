@@ -885,6 +885,17 @@ class Syncer:
                     regular.append((trio.current_time(), frozenset(action.spec.members)))
                 if isinstance(result, ar.Failed) and self.strikes is not None:
                     self._strike(action.spec.key, result)
+                    banned = self._banned_member(action.spec.members, result)
+                    if banned is not None and machine.may_regroup:
+                        logger.info(
+                            "fragment %d slot %d: the round failed on banned member %s's "
+                            "fault; seeking the slot's group again without it",
+                            machine.fragment,
+                            action.spec.key.round,
+                            banned[-6:],
+                        )
+                        action = await self.engine_call(machine.regroup, self.wall())
+                        continue
                 holdings = await self._holdings(machine.fragment, seen)
                 members = action.spec.members
                 held = None
@@ -1131,6 +1142,15 @@ class Syncer:
             await self.transport.send(peer, msg)
         except AtollError as e:
             logger.debug("telling %s failed: %s", peer, e)
+
+    def _banned_member(self, members: Sequence[str], failed: ar.Failed) -> str | None:
+        """The member of a failed round whose fault failed it and whom this node has
+        banned now (on the proof its abort carried), or None."""
+        culprit = failed.culprit or self_accused(failed.reason)
+        me = self.transport.peer_id
+        if culprit and culprit != me and culprit in members and self._banned(culprit):
+            return culprit
+        return None
 
     def _strike(self, key: ar.RoundKey, failed: ar.Failed) -> None:
         """Strike the culprit of a failed round: the peer whose part this node rejected,

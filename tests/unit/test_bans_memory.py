@@ -18,10 +18,11 @@ import trio
 
 from atoll.dht.records import EvidenceRecord, PeerRecord, encode_value
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
-from atoll.node.net.attacks import FORGED_VERSION, parse_attack
+from atoll.node.net.attacks import FORGED_VERSION, HostileTransport, parse_attack
 from atoll.node.net.memory import MemoryNetwork
 from atoll.node.net.publisher import EvidenceExchange
 from atoll.protocol import statesync as ss
+from atoll.protocol.codecs import make_codec
 from atoll.protocol.manifest import RobustSettings
 from atoll.protocol.strikes import Strikes
 from tests.unit.test_syncer_memory import (
@@ -94,6 +95,61 @@ def test_a_member_scaling_its_part_by_1e6_is_banned_within_3_rounds_and_rounds_g
         _run(main)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("banned peer")]
     assert lines and all(line.startswith("banned peer peer-4 for 60 s: part:") for line in lines)
+
+
+@pytest.mark.parametrize("attack_spec", ["huge", "nan", "owner"])
+def test_a_round_failed_on_a_proven_fault_forms_again_without_its_author(
+    caplog: pytest.LogCaptureFixture, attack_spec: str
+) -> None:
+    """Sealed parts and verified owners: the attacker's first round fails on its part
+    (or, as a chunk's owner, on the wrong chunk it returned), the abort's proof bans it at
+    every honest node, and each of them seeks the slot again at once: their first sync
+    ends applied, among the four, at the slot the attacker spoiled (before, the round was
+    lost and the slot met a period later)."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            robust = RobustSettings(rule="trimmed_mean", checks=True, verify_owners=True)
+            _, nodes = await _swarm(net, services, 5, robust=robust)
+            ledgers = [_arm(n) for n in nodes]
+            for n in nodes:
+                n.syncer.signer = EnvelopeSigner(_identity(n.peer))
+                n.syncer.opener = NamedVerifier()
+            hostile, honest = nodes[4], nodes[:4]
+            attack = parse_attack(attack_spec)
+            assert attack is not None
+            if attack.name == "owner":
+                hostile.syncer.tamper_reduced = attack.tamper_reduced(
+                    make_codec(hostile.engine.config.codec)
+                )
+            elif attack.tamper is not None:
+                hostile.syncer.tamper = attack.tamper
+            else:  # its parts are spoiled as they leave, and sealed again
+                hostile.syncer.transport = HostileTransport(
+                    hostile.syncer.transport,
+                    attack,
+                    hostile.engine.config.codec,
+                    EnvelopeSigner(_identity(hostile.peer)),
+                )
+            await _sync_nodes(nodes, 3, 0)
+            assert all(s.banned(hostile.peer) for s in ledgers[:4])
+            for n in honest:
+                assert n.report is not None
+                assert n.report.done.round_status == "applied", n.report.done.reason
+                assert hostile.peer not in n.report.done.members
+                assert n.engine.version(0) == 1  # the slot of the spoiled round
+            assert hostile.report is not None
+            assert hostile.report.done.round_status != "applied"
+            assert len({n.state() for n in honest}) == 1
+            assert float(np.max(np.abs(honest[0].engine.global_params(0)))) < 100.0
+            services.cancel_scope.cancel()
+
+    with caplog.at_level(logging.INFO, logger="atoll.node.net.syncer"):
+        _run(main)
+    again = [r.getMessage() for r in caplog.records if "group again" in r.getMessage()]
+    # each honest node once (the hostile owner bans the verifier that caught it, in its
+    # own ledger, and seeks the slot too, in vain)
+    assert sum("member peer-4's fault" in line for line in again) == 4, again
 
 
 class EvidenceBoard:

@@ -104,6 +104,34 @@ def test_a_failed_or_refused_round_rolls_back(result: ar.Done | ar.Failed) -> No
     assert engine.version(0) == 0 and engine.stats(0).skipped == 1 and changes == []
 
 
+def test_a_round_failed_on_a_members_fault_may_seek_its_slot_once_more() -> None:
+    """regroup: back to matching at the same slot with the same Δ and weight, the slot
+    joined only if present; once per sync, and only while a round is under way."""
+    engine = _engine()
+    sync = _sync(engine)
+    request = sync.begin(_local(1.0), step=3)
+    first = sync.plan([], wall_now=0.0)
+    assert isinstance(first, fs.FindGroup) and not sync.may_regroup
+    with pytest.raises(ConfigError, match="regroup"):
+        sync.regroup(1.0)
+    sync.matched(_formed(ME, "bad", "c"))
+    assert sync.may_regroup
+    again = sync.regroup(5.0)
+    assert isinstance(again, fs.FindGroup) and again.only_if_present
+    assert again.declaration.slot == first.declaration.slot
+    assert again.declaration.declared_at == 5.0 and sync.phase == "matching"
+    assert engine.version(0) == 0 and engine.pending(0) is not None  # nothing applied
+    run = sync.matched(_formed(ME, "c"))
+    assert isinstance(run, fs.RunRound) and run.spec.members == (ME, "c")
+    assert run.payload == request.payload and run.weight == request.weight
+    assert not sync.may_regroup  # once per sync
+    with pytest.raises(ConfigError, match="regroup"):
+        sync.regroup(6.0)
+    done = sync.reduced(ar.Done(np.full(N, 0.5, np.float32)))
+    assert isinstance(done, fs.SyncDone) and done.applied and done.members == (ME, "c")
+    assert engine.version(0) == 1
+
+
 def _ahead(step: int = 77) -> tuple[OuterEngine, fs.Holding]:
     """A peer's engine one version ahead, and its holding."""
     other = _engine(seed=1)
