@@ -18,7 +18,9 @@ plus an honest-only run of the same budget (every node honest) in each mode.
 
 Per run, from the nodes' JSON summaries (``--json``) and logs (``atoll node -v``, time
 stamped): the honest nodes' mean final eval loss and its ratio to the honest-only run of
-the same mode; rounds disrupted (failed rounds of honest nodes, summed); per attacker,
+the same mode; rounds disrupted (failed rounds of honest nodes, summed); rounds sought
+again (a round failed on a member's proven fault and the slot's group formed anew
+without it; the honest nodes' syncer lines, summed); per attacker,
 which honest nodes banned it (their WARNING lines ``banned peer <id> for <s> s: <reason>``)
 and how many of its own rounds (slots where it was in a group) it had taken part in when
 the last honest node banned it; whether any honest node's state ever followed a forged
@@ -231,6 +233,8 @@ def _rounds_of(log: Path) -> list[float]:
     return times
 
 
+_AGAIN = "seeking the slot's group again"
+"""a syncer's line: a round failed on a member it banned, and the slot is sought again"""
 _MEMBERS = re.compile(r"fragment \d+ slot -?\d+: applied; .*; members: ([^;]*)(?:; round .*)?$")
 
 
@@ -311,6 +315,9 @@ def analyse(nodes: list[dict[str, Any]], attack: str) -> dict[str, Any]:
         "eval_loss": sum(evals) / len(evals) if evals else None,
         "rounds_applied": sum(s.get("rounds_applied") or 0 for s in done),
         "rounds_disrupted": sum(s.get("rounds_failed") or 0 for s in done),
+        "rounds_sought_again": sum(
+            n["log"].read_text(errors="replace").count(_AGAIN) for n in honest if n["log"].exists()
+        ),
         "mean_round_s": sum(round_s) / len(round_s) if round_s else None,
         "attackers": per_attacker,
         "honest_banned": wrongly_banned,
