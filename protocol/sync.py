@@ -87,7 +87,14 @@ periods of H inner steps of the run's batch, the most that a Δ this machine sti
 weight to it (a peer that sat out many rounds counts as that many periods at most), and
 the round's spec carries it, so that every chunk owner refuses a part above it and
 names the sender (:mod:`~atoll.protocol.allreduce`), in a group of any size: the group
-check (``weight_factor`` times the median) needs three parts or more.
+check (``weight_factor`` times the median) needs three parts or more. A tighter cap
+follows from what a node saw: a member of the round that made the version a round starts
+from committed that round, which reset its count, and its schedule brings the next sync
+of the fragment H steps later, so it trained about one period since
+(:func:`recent_member_cap`: :data:`RECENT_PERIODS` periods, room for a landing behind
+that trains up to τ steps again and a start skipped as met already). The driver passes
+it to :meth:`FragmentSync.matched` for this peer's own weight (clipped before any attack
+injection) and to the round for every member it saw in that round.
 
 Attack injection. ``tamper`` (benchmarks and tests only, None in a real node) sees the
 round's spec, this peer's encoded Δ and its weight in :meth:`FragmentSync.matched` and
@@ -124,6 +131,7 @@ from atoll.protocol.robust import RobustRule
 
 __all__ = [
     "MAX_STALENESS",
+    "RECENT_PERIODS",
     "Action",
     "FetchState",
     "FindGroup",
@@ -137,6 +145,7 @@ __all__ = [
     "fall_back",
     "holdings_of",
     "rebase_target",
+    "recent_member_cap",
     "weight_cap",
 ]
 
@@ -365,8 +374,17 @@ class FragmentSync:
         rebase = self._rebase_plan(holdings)
         return rebase if rebase is not None else self._finish()
 
-    def matched(self, found: mm.Formed | mm.Alone, holdings: Iterable[Holding] = ()) -> Action:
-        """The matchmaking outcome: run the round of a formed group, or roll back."""
+    def matched(
+        self,
+        found: mm.Formed | mm.Alone,
+        holdings: Iterable[Holding] = (),
+        *,
+        weight_cap: float = math.inf,
+    ) -> Action:
+        """The matchmaking outcome: run the round of a formed group, or roll back.
+        ``weight_cap``: a tighter bound on this peer's own weight in this round than the
+        run's (:func:`recent_member_cap` when it made the version the round starts
+        from)."""
         if self._done is not None:
             return self._done
         self._expect("matching")
@@ -399,7 +417,7 @@ class FragmentSync:
             sealed=self._sealed,
             weight_cap=self._weight_cap,
         )
-        weight = min(request.weight * self._discount, self._weight_cap)
+        weight = min(request.weight * self._discount, self._weight_cap, weight_cap)
         if self._tamper is not None:
             return RunRound(spec, *self._tamper(spec, request.payload, weight))
         return RunRound(spec, request.payload, weight)
@@ -734,6 +752,17 @@ def rebase_target(
     assert target is not None
     holders = list(dict.fromkeys(peer for peer, v, d in others if (v, d) == target))
     return (target, holders) if holders else None
+
+
+RECENT_PERIODS = 3
+"""A member of the round that made a version may claim the tokens of this many periods in
+the next round at that version (see "Token weights" above)."""
+
+
+def recent_member_cap(cap: float) -> float:
+    """The largest weight a member of the round that made the current version may claim,
+    from the run's :func:`weight_cap` ``cap`` (``inf`` stays ``inf``)."""
+    return cap * RECENT_PERIODS / (MAX_STALENESS + 1)
 
 
 def weight_cap(H: int, tokens_per_step: int) -> float:

@@ -45,7 +45,7 @@ import logging
 import math
 import secrets
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -815,6 +815,7 @@ async def run_allreduce(
     signer: AttestationSigner | None = None,
     opener: AttestationVerifier | None = None,
     tamper_reduced: Callable[[bytes], bytes] | None = None,
+    weight_caps: Mapping[str, float] | None = None,
     traffic: RoundTraffic | None = None,
     checkpoint: Callable[[str], None] | None = None,
     background: trio.Nursery | None = None,
@@ -832,7 +833,9 @@ async def run_allreduce(
     ``liveness`` hears of sends that failed. ``signer`` and ``opener`` seal this node's
     parts and open the others' (a round whose spec is ``sealed``); ``tamper_reduced``
     (the attack benchmark only) makes this node a hostile chunk owner (see
-    :class:`~atoll.protocol.allreduce.AllReduceRound`).
+    :class:`~atoll.protocol.allreduce.AllReduceRound`). ``weight_caps``: the largest
+    weight each listed member may claim, beyond the spec's cap for all (this node's view;
+    see :func:`~atoll.protocol.sync.recent_member_cap`).
 
     ``checkpoint`` (fault injection for tests) is called with ``"start"`` before the
     first part goes out, ``"part_sent"`` once one part has been written, and
@@ -855,6 +858,7 @@ async def run_allreduce(
             signer=signer,
             opener=opener,
             tamper_reduced=tamper_reduced,
+            weight_caps=weight_caps,
         )
     except (AtollError, ValueError) as e:
         return ar.Failed(f"cannot start the round: {e}")

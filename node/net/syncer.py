@@ -391,6 +391,9 @@ class Syncer:
         self._syncing: set[int] = set()
         """fragments with a sync in flight"""
         self._regulars: dict[int, collections.deque[tuple[float, frozenset[str]]]] = {}
+        self._made: dict[int, tuple[int, frozenset[str]]] = {}
+        """per fragment: the version this node's last applied round made, and its members
+        (their weights in the next round at that version are capped tighter)"""
         """fragment -> the members of its last applied rounds here (measured deadlines
         apply to rounds of these peers only)"""
         self._unsure: dict[int, _Unsure] = {}
@@ -853,7 +856,9 @@ class Syncer:
                 if report is not None and isinstance(found, mm.Formed):
                     report.met_at = found.met_at
                 holdings = await self._holdings(machine.fragment, seen)
-                action = await self.engine_call(machine.matched, found, holdings)
+                own_cap = self._recent_caps(machine).get(self.transport.peer_id, math.inf)
+                matched = functools.partial(machine.matched, weight_cap=own_cap)
+                action = await self.engine_call(matched, found, holdings)
                 self._log_slot(action, machine, seen)
             elif isinstance(action, fs.RunRound):
                 traffic = RoundTraffic()
@@ -874,6 +879,7 @@ class Syncer:
                     signer=self.signer,
                     opener=self.opener,
                     tamper_reduced=self.tamper_reduced,
+                    weight_caps=self._recent_caps(machine),
                 )
                 if report is not None:
                     report.traffic = traffic
@@ -898,10 +904,13 @@ class Syncer:
                         continue
                 holdings = await self._holdings(machine.fragment, seen)
                 members = action.spec.members
+                action_round = action.spec.key.round
                 held = None
                 if isinstance(result, ar.Done):
                     held = await self.engine_call(self._held_before, machine.fragment)
                 action = await self.engine_call(machine.reduced, result, holdings)
+                if machine.round_status == "applied":
+                    self._made[machine.fragment] = (action_round + 1, frozenset(members))
                 if held is not None and machine.round_status == "applied":
                     self._previous[machine.fragment] = held
                     beliefs = self.peers.beliefs
@@ -1142,6 +1151,17 @@ class Syncer:
             await self.transport.send(peer, msg)
         except AtollError as e:
             logger.debug("telling %s failed: %s", peer, e)
+
+    def _recent_caps(self, machine: fs.FragmentSync) -> dict[str, float]:
+        """The weight caps of the members of the round that made the version ``machine``'s
+        sync starts from, when this node applied that round (see
+        :func:`~atoll.protocol.sync.recent_member_cap`); empty otherwise."""
+        made = self._made.get(machine.fragment)
+        request = machine.request
+        if made is None or request is None or made[0] != request.round:
+            return {}
+        cap = fs.recent_member_cap(self.weight_cap)
+        return {} if math.isinf(cap) else dict.fromkeys(made[1], cap)
 
     def _banned_member(self, members: Sequence[str], failed: ar.Failed) -> str | None:
         """The member of a failed round whose fault failed it and whom this node has

@@ -152,6 +152,46 @@ def test_a_round_failed_on_a_proven_fault_forms_again_without_its_author(
     assert sum("member peer-4's fault" in line for line in again) == 4, again
 
 
+def test_a_member_of_the_last_round_claiming_more_than_its_periods_is_banned() -> None:
+    """Every sync weighs 1000 tokens (one period) and the run's cap is five periods: an
+    attacker claiming 4 periods passes the run's cap and the group check (10 x the
+    median) in its first round, but in the next round at the version that round made,
+    every honest member caps it at 3 periods (it committed that round, so it trained
+    about one period since), the proof of its sealed part convicts it, and the honest
+    four form the slot's group again without it."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            robust = RobustSettings(rule="trimmed_mean", checks=True)
+            _, nodes = await _swarm(net, services, 5, robust=robust)
+            ledgers = [_arm(n) for n in nodes]
+            for n in nodes:
+                n.syncer.signer = EnvelopeSigner(_identity(n.peer))
+                n.syncer.opener = NamedVerifier()
+                n.syncer.weight_cap = 5000.0  # five periods of 1000 tokens
+            hostile, honest = nodes[4], nodes[:4]
+            attack = parse_attack("weight:4")
+            assert attack is not None
+            hostile.syncer.tamper = attack.tamper
+            await _sync_nodes(nodes, 3, 0)
+            for n in honest:  # in the run's bounds: applied with it
+                assert n.report is not None
+                assert n.report.done.round_status == "applied", n.report.done.reason
+                assert hostile.peer in n.report.done.members
+            assert not any(s.banned(hostile.peer) for s in ledgers[:4])
+            await _sync_nodes(nodes, 7, 1)
+            assert all(s.banned(hostile.peer) for s in ledgers[:4])
+            for n in honest:
+                assert n.report is not None
+                assert n.report.done.round_status == "applied", n.report.done.reason
+                assert hostile.peer not in n.report.done.members
+                assert n.engine.version(0) == 2
+            assert len({n.state() for n in honest}) == 1
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
 class EvidenceBoard:
     """The run's evidence records, in memory."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -130,6 +132,24 @@ def test_a_round_failed_on_a_members_fault_may_seek_its_slot_once_more() -> None
     done = sync.reduced(ar.Done(np.full(N, 0.5, np.float32)))
     assert isinstance(done, fs.SyncDone) and done.applied and done.members == (ME, "c")
     assert engine.version(0) == 1
+
+
+def test_this_peers_own_weight_is_clipped_to_the_cap_it_is_given_before_any_tamper() -> None:
+    engine = _engine()
+    engine.add_tokens(40)
+    seen: list[float] = []
+
+    def tamper(spec: ar.RoundSpec, payload: bytes, weight: float) -> tuple[bytes, float]:
+        seen.append(weight)
+        return payload, weight * 10
+
+    sync = fs.FragmentSync(engine, 0, peer_id=ME, run_id=RUN, weight_cap=100.0, tamper=tamper)
+    sync.begin(_local(1.0), step=3)
+    sync.plan([], wall_now=0.0)
+    run = sync.matched(_formed(ME, "b"), weight_cap=fs.recent_member_cap(50.0))
+    assert isinstance(run, fs.RunRound)
+    assert seen == [30.0] and run.weight == 300.0  # 3 of the run's 5 periods, then x10
+    assert fs.recent_member_cap(math.inf) == math.inf
 
 
 def _ahead(step: int = 77) -> tuple[OuterEngine, fs.Holding]:
