@@ -796,6 +796,8 @@ def main(argv: list[str] | None = None) -> int:
                     "rounds_alone",
                     "rebases",
                     "waits_run_out",
+                    "met_already",
+                    "steps_jumped",
                     "net_wait_s",
                     "eval_loss",
                     "settled",

@@ -104,6 +104,9 @@ class NodeSummary:
     """of the rounds applied, those in a group formed ahead of the sync"""
     rebases: int
     waits_run_out: int
+    met_already: int
+    """due syncs not started after a jump: the node had met their round already, through
+    a sync started before the jump"""
     steps_jumped: int
     """steps skipped after a rebase found the swarm further ahead in time (or moved, back
     or forth, to the swarm's step after its peers refused this node as out of step)"""
@@ -480,6 +483,7 @@ def _train(
         eval_loss=eval_loss,
         ddp_bytes=ddp_step * len(run.losses),
         waits_run_out=loop.stats.waits_run_out,
+        met_already=loop.stats.met_already,
         stopped_by=stop.by or stop.finish or "steps",
         global_digest=_digest(shared),
         log_every=cfg.log_every,
@@ -658,6 +662,7 @@ class _Run:
         eval_loss: float | None,
         ddp_bytes: int,
         waits_run_out: int,
+        met_already: int,
         stopped_by: str,
         global_digest: str,
         log_every: int,
@@ -689,6 +694,7 @@ class _Run:
             rounds_ahead=status.rounds_ahead,
             rebases=status.rebases,
             waits_run_out=waits_run_out,
+            met_already=met_already,
             steps_jumped=self.jumped,
             realigned=self.realigned,
             waits_held=bridge.stats.held,
