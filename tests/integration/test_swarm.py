@@ -361,3 +361,32 @@ def test_a_second_node_with_the_same_identity_is_refused(local_swarm: Any) -> No
     err = second.stderr()
     assert "already running with identity" in err and "Traceback" not in err, err[-1500:]
     assert first.proc.poll() is None  # the running node is untouched
+
+
+def test_a_slow_node_trains_at_its_own_pace_beside_fast_ones(local_swarm: Any) -> None:
+    """Two nodes at full speed and one three times slower (``ATOLL_SLOWDOWN=3``: it
+    sleeps twice each step's compute time, a laptop beside GPUs), 40 steps each. The slow
+    node is never held for the others (it trains at its own pace), it reaches groups in
+    time and takes part in rounds with both fast nodes, whose rounds leave all members
+    with bit-identical copies. What the fast nodes pay for it: they wait for it within
+    the grace window at each slot (the waits in their summaries)."""
+    swarm = local_swarm
+    swarm.start_bootstrap()
+    run = swarm.write_manifest("run", swarm.manifest())
+    fast = [swarm.start_node(f"fast{i}", run, steps=40, wait_peers=2) for i in range(2)]
+    slow = swarm.start_node("slow", run, steps=40, wait_peers=2, env={"ATOLL_SLOWDOWN": "3"})
+    nodes = [*fast, slow]
+    for node in nodes:
+        assert node.wait(220) == 0, node.tail()
+    for node in nodes:
+        s = node.summary
+        assert s is not None, node.tail()
+        assert s["last_loss"] < s["first_loss"] - 0.5, (node.name, s["first_loss"], s["last_loss"])
+        assert s["rounds_applied"] >= 2, node.tail()
+    s = slow.summary
+    assert s is not None
+    # it slept twice its compute time and waited for the network little beside that
+    assert s["compute_s"] * 2.5 <= s["wall_s"], s
+    assert s["net_wait_s"] < 0.25 * s["wall_s"], s
+    assert swarm.agreeing_rounds(nodes)
+    assert max(swarm.members_per_round(nodes).values()) == 3  # rounds with all three
