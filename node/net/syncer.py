@@ -391,11 +391,11 @@ class Syncer:
         self._syncing: set[int] = set()
         """fragments with a sync in flight"""
         self._regulars: dict[int, collections.deque[tuple[float, frozenset[str]]]] = {}
+        """fragment -> the members of its last applied rounds here (measured deadlines
+        apply to rounds of these peers only)"""
         self._made: dict[int, tuple[int, frozenset[str]]] = {}
         """per fragment: the version this node's last applied round made, and its members
         (their weights in the next round at that version are capped tighter)"""
-        """fragment -> the members of its last applied rounds here (measured deadlines
-        apply to rounds of these peers only)"""
         self._unsure: dict[int, _Unsure] = {}
         """fragment -> its committed state not yet certified, and the state before it"""
         self.fallbacks = 0
