@@ -94,7 +94,10 @@ of the fragment H steps later, so it trained about one period since
 (:func:`recent_member_cap`: :data:`RECENT_PERIODS` periods, room for a landing behind
 that trains up to τ steps again and a start skipped as met already). The driver passes
 it to :meth:`FragmentSync.matched` for this peer's own weight (clipped before any attack
-injection) and to the round for every member it saw in that round.
+injection) and to the round for every member it saw in that round. Every member of that
+round applied it (rounds are atomic) and clips its own weight by the same rule, so an
+honest member never offers more than the others enforce, whatever it trained since (a
+sync held across a cut, rounds failed at the same slot since).
 
 Attack injection. ``tamper`` (benchmarks and tests only, None in a real node) sees the
 round's spec, this peer's encoded Δ and its weight in :meth:`FragmentSync.matched` and
