@@ -97,6 +97,17 @@ def test_a_member_scaling_its_part_by_1e6_is_banned_within_3_rounds_and_rounds_g
     assert lines and all(line.startswith("banned peer peer-4 for 60 s: part:") for line in lines)
 
 
+def _applied_without(honest: list[Node], hostile: Node, version: int) -> None:
+    """Every honest node's last sync applied a round without ``hostile``, reaching
+    ``version``, and they hold one state."""
+    for n in honest:
+        assert n.report is not None
+        assert n.report.done.round_status == "applied", n.report.done.reason
+        assert hostile.peer not in n.report.done.members
+        assert n.engine.version(0) == version
+    assert len({n.state() for n in honest}) == 1
+
+
 @pytest.mark.parametrize("attack_spec", ["huge", "nan", "owner"])
 def test_a_round_failed_on_a_proven_fault_forms_again_without_its_author(
     caplog: pytest.LogCaptureFixture, attack_spec: str
@@ -133,14 +144,9 @@ def test_a_round_failed_on_a_proven_fault_forms_again_without_its_author(
                 )
             await _sync_nodes(nodes, 3, 0)
             assert all(s.banned(hostile.peer) for s in ledgers[:4])
-            for n in honest:
-                assert n.report is not None
-                assert n.report.done.round_status == "applied", n.report.done.reason
-                assert hostile.peer not in n.report.done.members
-                assert n.engine.version(0) == 1  # the slot of the spoiled round
+            _applied_without(honest, hostile, 1)  # at the slot of the spoiled round
             assert hostile.report is not None
             assert hostile.report.done.round_status != "applied"
-            assert len({n.state() for n in honest}) == 1
             assert float(np.max(np.abs(honest[0].engine.global_params(0)))) < 100.0
             services.cancel_scope.cancel()
 
@@ -181,12 +187,7 @@ def test_a_member_of_the_last_round_claiming_more_than_its_periods_is_banned() -
             assert not any(s.banned(hostile.peer) for s in ledgers[:4])
             await _sync_nodes(nodes, 7, 1)
             assert all(s.banned(hostile.peer) for s in ledgers[:4])
-            for n in honest:
-                assert n.report is not None
-                assert n.report.done.round_status == "applied", n.report.done.reason
-                assert hostile.peer not in n.report.done.members
-                assert n.engine.version(0) == 2
-            assert len({n.state() for n in honest}) == 1
+            _applied_without(honest, hostile, 2)
             services.cancel_scope.cancel()
 
     _run(main)
