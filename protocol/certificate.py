@@ -26,9 +26,10 @@ injected, :mod:`atoll.security` provides it and the node wires it):
   per peer and fragment, and reports its declarer (``on_uncertified``) once the claim
   had time to be certified (``grace_s``), however far ahead it is: after a split heals,
   the other side may be several versions ahead with certificates this node has not
-  found yet, and an honest peer must not be reported for that. A claim more than
-  ``max_lead`` versions past everything believed (more outer steps than a whole run has)
-  is no split's work: it is reported at once.
+  found yet, and an honest peer must not be reported for that. Nor is a claim that at
+  least ``quorum`` peers share (they could sign its certificate anyway). A claim more
+  than ``max_lead`` versions past everything believed (more outer steps than a whole run
+  has) is no split's work: it is reported at once.
 - :class:`AttestationRequest` / :class:`AttestationReply` (kinds 41 and 42): a node asks
   a peer that declares a state for the seals it holds of it (its own attestation, and
   those of a certificate it checked), besides looking them up in the DHT. A reply is
@@ -480,14 +481,24 @@ class CertifiedStates:
     ) -> list[Holding]:
         """The ``holdings`` of ``fragment`` whose state is believed; the rest are
         ignored (logged once per peer and fragment) and their declarers reported once
-        their claim is past its grace. ``mine``, this node's own state,
-        is always believed by itself (it committed or checked it)."""
+        their claim is past its grace, unless at least ``quorum`` peers declare that same
+        state: that many could sign its certificate anyway, so reporting them proves
+        nothing, while an honest swarm whose certificates this node cannot find yet (a
+        node back from a cut on a loaded machine: 22 s of failed lookups) would be banned
+        whole. A claim past ``max_lead`` is reported at once, shared or not. ``mine``,
+        this node's own state, is always believed by itself (it committed or checked
+        it)."""
+        rows = list(holdings)
+        declarers: dict[tuple[int, str], set[str]] = {}
+        for peer, version, digest in rows:
+            declarers.setdefault((version, digest), set()).add(peer)
         out: list[Holding] = []
-        for peer, version, digest in holdings:
+        for peer, version, digest in rows:
             if (version, digest) == mine or self.believes(fragment, version, digest):
                 out.append((peer, version, digest))
                 continue
-            self._ignore(peer, fragment, version, digest, now, mine)
+            shared = len(declarers[(version, digest)]) >= self.quorum
+            self._ignore(peer, fragment, version, digest, now, mine, shared=shared)
         return out
 
     def to_check(
@@ -582,6 +593,8 @@ class CertifiedStates:
         digest: str,
         now: float,
         mine: tuple[int, str] | None,
+        *,
+        shared: bool = False,
     ) -> None:
         key = (peer, (fragment, version, digest))
         first = self._first_seen.setdefault(key, now)
@@ -601,7 +614,7 @@ class CertifiedStates:
             return
         reach = max(self.top(fragment), mine[0] if mine is not None else 0) + 1
         impossible = self.max_lead is not None and version > reach + self.max_lead
-        if now - first >= self.grace_s or impossible:
+        if (now - first >= self.grace_s and not shared) or impossible:
             self._reported.add(key)
             log.warning(
                 "peer %s declares fragment %d version %d (%s) without a certificate%s",

@@ -213,6 +213,25 @@ def test_uncertified_declarations_are_ignored_and_reported_once() -> None:
     assert len(reported) == 2 and b.reported("liar") and not b.reported("b")
 
 
+def test_an_uncertified_claim_shared_by_a_quorum_of_peers_is_not_reported() -> None:
+    """Three peers (the quorum is 2) declare a state whose certificate this node cannot
+    find: a swarm back from a cut, its lookups failing under load. They are ignored, not
+    reported: that many could sign a certificate anyway. When only one declares it, its
+    grace counts from when it was first seen."""
+    reported: list[tuple[str, int, int]] = []
+    b = beliefs(reported, max_lead=10)
+    mine = (0, D0)
+    swarm = [(p, 2, "5" * 32) for p in ("a", "b", "c")]
+    assert b.believed(0, swarm, now=0.0, mine=mine) == []
+    b.believed(0, swarm, now=31.0, mine=mine)
+    assert reported == []
+    b.believed(0, swarm[:1], now=32.0, mine=mine)  # alone with it, past its grace
+    assert reported == [("a", 0, 2)]
+    # shared or not, a claim past a whole run is reported at once
+    b.believed(0, [("x", HUGE, "f" * 32), ("y", HUGE, "f" * 32)], now=33.0, mine=mine)
+    assert ("x", 0, HUGE) in reported and ("y", 0, HUGE) in reported
+
+
 def test_a_claim_further_ahead_than_a_whole_run_is_reported_at_once() -> None:
     """Within a run's number of syncs a claim waits out its grace (a healed split's other
     side); further ahead, no honest peer can be: reported on first sight."""
