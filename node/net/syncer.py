@@ -226,6 +226,12 @@ async def inline(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
+def _culprit(failed: ar.Failed) -> str | None:
+    """The peer a failed round names as its cause: the one whose input this node
+    rejected, or one whose own abort names its own part."""
+    return failed.culprit or self_accused(failed.reason)
+
+
 @dataclass(slots=True)
 class SyncReport:
     """A finished sync and what its round moved (for the node's status)."""
@@ -1166,7 +1172,7 @@ class Syncer:
     def _banned_member(self, members: Sequence[str], failed: ar.Failed) -> str | None:
         """The member of a failed round whose fault failed it and whom this node has
         banned now (on the proof its abort carried), or None."""
-        culprit = failed.culprit or self_accused(failed.reason)
+        culprit = _culprit(failed)
         me = self.transport.peer_id
         if culprit and culprit != me and culprit in members and self._banned(culprit):
             return culprit
@@ -1176,7 +1182,7 @@ class Syncer:
         """Strike the culprit of a failed round: the peer whose part this node rejected,
         or one whose own abort names its own part (see :mod:`atoll.protocol.strikes`)."""
         assert self.strikes is not None
-        culprit = failed.culprit or self_accused(failed.reason)
+        culprit = _culprit(failed)
         if culprit and culprit != self.transport.peer_id:
             self.strikes.strike(
                 culprit,
