@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from atoll.protocol.errors import CodecError, ConfigError
-from atoll.protocol.manifest import MembershipSettings, OuterLoop, RunManifest, short_id
+from atoll.protocol.manifest import (
+    MembershipSettings,
+    OuterLoop,
+    RobustSettings,
+    RunManifest,
+    short_id,
+)
 from atoll.protocol.packing import COSTS, PACKINGS
 from atoll.security.membership import (
     MAX_CERTIFICATE_BYTES,
@@ -136,6 +142,20 @@ class SimConfig:
     """evaluate the global parameters every N steps (0 = only at the end)"""
     log_every: int = 50
     device: str = "auto"
+    rule: str = "mean"
+    """how each chunk is combined: mean, trimmed_mean or centered_clip (the manifest's
+    ``[robust] rule``); any robust setting or attack runs every round through the real
+    all-reduce machines (:mod:`atoll.node.simattack`)"""
+    checks: bool = False
+    """check every part's norm and weight against the group's, sealed (``[robust] checks``)"""
+    verify_owners: bool = False
+    """a second member recomputes every chunk (``[robust] verify_owners``)"""
+    attack: str = ""
+    """what the hostile replicas do (an attack spec of ``atoll.node.net.attacks``, not forge)"""
+    attackers: int = 0
+    """how many replicas are hostile (the last ones; replica 0, the one evaluated, never)"""
+    step_s: float = 1.0
+    """simulated seconds per inner step: the clock of strikes and bans"""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -146,6 +166,22 @@ class SimConfig:
             raise ConfigError(f"fail_prob must be in [0, 1], not {self.fail_prob}")
         if self.algo != "ddp":
             self.engine_config()
+        self.robust_settings()  # checks the rule
+        if not 0 <= self.attackers < self.replicas:
+            raise ConfigError(f"attackers must be in [0, replicas), not {self.attackers}")
+        if self.attackers and not self.attack.strip():
+            raise ConfigError("attackers need an attack (--attack)")
+        if self.hostile and self.algo == "ddp":
+            raise ConfigError("attacks and robust rules need an outer loop (not ddp)")
+
+    def robust_settings(self) -> RobustSettings:
+        """The ``[robust]`` table of this run."""
+        return RobustSettings(rule=self.rule, checks=self.checks, verify_owners=self.verify_owners)
+
+    @property
+    def hostile(self) -> bool:
+        """Whether rounds go through the all-reduce machines (an attack or a protection)."""
+        return bool(self.attackers) or self.robust_settings() != RobustSettings()
 
     def engine_config(self) -> OuterLoop:
         """The outer loop the replicas drive: the algorithm's defaults, then this run's."""

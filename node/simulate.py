@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,7 +38,10 @@ from atoll.protocol.fragments import Fragment, FragmentPlan, plan_fragments
 from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.streaming import StreamingLoop, SyncOutcome
-from atoll.protocol.sync import FragmentSync, SyncDone
+from atoll.protocol.sync import FragmentSync, SyncDone, weight_cap
+
+if TYPE_CHECKING:
+    from atoll.node.simattack import HostileRounds
 
 __all__ = ["ALGOS", "Progress", "SimConfig", "SimResult", "simulate"]
 
@@ -78,6 +81,8 @@ class SimResult:
     history: list[tuple[int, float]] = field(default_factory=list)
     global_digests: list[str] = field(default_factory=list)
     """sha256 of each replica's global copies: all equal when every round was applied whole"""
+    attack: dict[str, Any] | None = None
+    """with hostile replicas or a robust setting: :class:`~atoll.node.simattack.AttackStats`"""
 
     @property
     def bytes_ratio(self) -> float:
@@ -149,6 +154,7 @@ def simulate(
         },
         history=[*run.history, (cfg.steps, done.eval_loss)],
         global_digests=done.digests,
+        attack=done.attack,
     )
     log.info("%s done: eval %.4f, %d bytes/replica", cfg.algo, done.eval_loss, done.sent)
     return result
@@ -166,6 +172,7 @@ class _Trained:
     applied: int = 0
     skipped: int = 0
     digests: list[str] = field(default_factory=list)
+    attack: dict[str, Any] | None = None
 
 
 class _Reporter:
@@ -236,6 +243,8 @@ def _train_outer(
     ]
     log.info("%s: %d fragments\n%s", cfg.algo, len(plan), plan.describe())
     exchange = _InProcessExchange(views, engines, eng_cfg.aggregation, cfg.fail_prob, cfg.seed)
+    if cfg.hostile:
+        exchange.hostile = _hostile_rounds(cfg, engines, batcher.tokens_per_batch)
     loop = StreamingLoop(schedule, exchange, tau=eng_cfg.tau, apply_wait_s=0.0)
     global_model = functools.partial(_global_model, reps[0].model, plan, engines[0])
     for step in range(cfg.steps):
@@ -259,6 +268,23 @@ def _train_outer(
         applied=sum(first.stats(p).applied for p in range(len(plan))),
         skipped=sum(first.stats(p).skipped for p in range(len(plan))),
         digests=[_digest(e) for e in engines],
+        attack=exchange.hostile.stats.as_dict() if exchange.hostile is not None else None,
+    )
+
+
+def _hostile_rounds(
+    cfg: SimConfig, engines: list[OuterEngine], tokens_per_step: int
+) -> HostileRounds:
+    from atoll.node.net.attacks import parse_attack
+    from atoll.node.simattack import HostileRounds
+
+    return HostileRounds(
+        engines,
+        cfg.robust_settings(),
+        parse_attack(cfg.attack) if cfg.attackers else None,
+        cfg.attackers,
+        weight_cap=weight_cap(cfg.H, tokens_per_step),
+        step_s=cfg.step_s,
     )
 
 
@@ -296,12 +322,18 @@ class _InProcessExchange:
         self.sent = 0
         """bytes per replica so far; a failed round counts as sent in full (an upper bound)"""
         self._syncs: dict[int, list[FragmentSync]] = {}
+        self.hostile: HostileRounds | None = None
+        """set: every round runs through the all-reduce machines with its protections
+        and attackers (:mod:`atoll.node.simattack`) instead of ``average_requests``"""
 
     def start(self, fragment: int, step: int, tokens: int) -> None:
-        syncs = [
-            FragmentSync(eng, fragment, peer_id=f"replica-{m}", run_id="simulated")
-            for m, eng in enumerate(self.engines)
-        ]
+        if self.hostile is not None:
+            syncs = self.hostile.syncs(fragment)
+        else:
+            syncs = [
+                FragmentSync(eng, fragment, peer_id=f"replica-{m}", run_id="simulated")
+                for m, eng in enumerate(self.engines)
+            ]
         for sync, view in zip(syncs, self.views, strict=True):
             sync.begin(view.get(fragment), step)
         self._syncs[fragment] = syncs
@@ -315,6 +347,11 @@ class _InProcessExchange:
     def wait(self, fragment: int, timeout_s: float) -> SyncOutcome:
         syncs = self._syncs.pop(fragment)
         requests = [sync.request for sync in syncs if sync.request is not None]
+        if self.hostile is not None:
+            first = requests[0]
+            members = len(self.engines) - len(self.hostile.banned_now())
+            self.sent += allreduce_bytes_per_peer(self.codec.encoded_size(first.numel), members)
+            return self.hostile.run(fragment, syncs, first.step)
         averaged, nbytes = average_requests(requests, self.codec, self.aggregation)
         self.sent += nbytes
         step, round_ = requests[0].step, requests[0].round

@@ -68,7 +68,9 @@ __all__ = [
     "Attack",
     "HostileTransport",
     "forged_versions",
+    "hostile_parts",
     "nan_payload",
+    "nan_prefix",
     "parse_attack",
 ]
 
@@ -235,6 +237,41 @@ _NAN_PREFIX = {
 }
 
 
+def nan_prefix(codec: str) -> bytes:
+    """The bytes that make a payload of ``codec`` start with NaN (a value or a block
+    scale): what ``nan`` writes over the head of every part."""
+    return _NAN_PREFIX.get(codec, _NAN_PREFIX["fp32"])
+
+
+def _resealed(msg: ar.Part, payload: bytes, signer: AttestationSigner | None) -> ar.Part:
+    """``msg`` with ``payload``, sealed again with ``signer`` when it was sealed."""
+    seal = msg.seal
+    if seal and signer is not None:
+        seal = seal_part(
+            signer, msg.run_id, msg.fragment, msg.round, msg.sender, msg.chunk, msg.weight, payload
+        )
+    return dataclasses.replace(msg, payload=payload, seal=seal)
+
+
+def hostile_parts(
+    attack: Attack, msg: ar.Part, prefix: bytes, signer: AttestationSigner | None = None
+) -> list[ar.Part]:
+    """What a node with an on-the-wire ``attack`` sends instead of the part ``msg``:
+    ``nan``, the part with ``prefix`` (:func:`nan_prefix`) over its head; ``equivocate``,
+    the part and a second copy with one byte changed; ``msg`` itself for any other attack
+    or an empty part. ``signer`` seals a changed part of a sealed round again."""
+    if not msg.payload or not attack.on_the_wire:
+        return [msg]
+    if attack.name == "nan":
+        k = len(prefix)
+        bad = prefix + msg.payload[k:] if len(msg.payload) >= k else msg.payload
+        logger.info("attack nan: a NaN part for chunk %d", msg.chunk)
+        return [_resealed(msg, bad, signer)]
+    flipped = bytes([msg.payload[0] ^ 0x11]) + msg.payload[1:]
+    logger.info("attack equivocate: a second part for chunk %d", msg.chunk)
+    return [msg, _resealed(msg, flipped, signer)]
+
+
 class HostileTransport:
     """A round transport that tampers with this node's :class:`~atoll.protocol.allreduce.
     Part` messages as they leave (``nan``, ``equivocate``; see the module docstring);
@@ -251,42 +288,19 @@ class HostileTransport:
     ) -> None:
         self.inner = inner
         self.attack = attack
-        self.prefix = _NAN_PREFIX.get(codec, _NAN_PREFIX["fp32"])
+        self.prefix = nan_prefix(codec)
         self.signer = signer
-
-    def _changed(self, msg: ar.Part, payload: bytes) -> ar.Part:
-        """``msg`` with ``payload``, sealed again when it was sealed."""
-        seal = msg.seal
-        if seal and self.signer is not None:
-            seal = seal_part(
-                self.signer,
-                msg.run_id,
-                msg.fragment,
-                msg.round,
-                msg.sender,
-                msg.chunk,
-                msg.weight,
-                payload,
-            )
-        return dataclasses.replace(msg, payload=payload, seal=seal)
 
     @property
     def peer_id(self) -> str:
         return self.inner.peer_id
 
     async def send(self, peer: str, msg: object, /) -> None:
-        if not isinstance(msg, ar.Part) or not msg.payload:
+        if not isinstance(msg, ar.Part):
             await self.inner.send(peer, msg)
-        elif self.attack.name == "nan":
-            k = len(self.prefix)
-            bad = self.prefix + msg.payload[k:] if len(msg.payload) >= k else msg.payload
-            logger.info("attack nan: a NaN part for chunk %d to %s", msg.chunk, peer)
-            await self.inner.send(peer, self._changed(msg, bad))
-        else:  # equivocate
-            await self.inner.send(peer, msg)
-            flipped = bytes([msg.payload[0] ^ 0x11]) + msg.payload[1:]
-            logger.info("attack equivocate: a second part for chunk %d to %s", msg.chunk, peer)
-            await self.inner.send(peer, self._changed(msg, flipped))
+            return
+        for out in hostile_parts(self.attack, msg, self.prefix, self.signer):
+            await self.inner.send(peer, out)
 
     async def receive(self) -> tuple[str, object]:
         return await self.inner.receive()
