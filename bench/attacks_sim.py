@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import multiprocessing
 import os
 import platform
@@ -116,14 +117,29 @@ def _worker_init(threads: int) -> None:
     _CORPUS = load_corpus("stdlib")
 
 
-def _worker_run(label: str, cfg: SimConfig) -> tuple[str, SimResult]:
+def _worker_run(label: str, cfg: SimConfig) -> tuple[str, SimResult | str]:
+    """The run's result, or why it diverged (an unprotected attack can make the loss
+    NaN: the trainer refuses to go on)."""
     print(f"--- start: {label}", file=sys.stderr, flush=True)
-    return label, simulate(cfg, corpus=_CORPUS)
+    try:
+        return label, simulate(cfg, corpus=_CORPUS)
+    except FloatingPointError as e:
+        return label, str(e)
 
 
-def row(label: str, r: SimResult, honest: SimResult | None) -> dict[str, Any]:
-    """One run's figures (``honest``: the honest-only run of its seed and mode)."""
+def row(label: str, r: SimResult | str, honest: SimResult | str | None) -> dict[str, Any]:
+    """One run's figures (``honest``: the honest-only run of its seed and mode); a run
+    that diverged has an infinite eval loss and says why."""
     _, seed, mode, attack = label.split(" ")
+    if isinstance(r, str):
+        return {
+            "seed": int(seed),
+            "mode": mode,
+            "attack": attack,
+            "eval_loss": math.inf,
+            "vs_honest": math.inf,
+            "diverged": r,
+        }
     stats = r.attack or {}
     out: dict[str, Any] = {
         "seed": int(seed),
@@ -133,7 +149,7 @@ def row(label: str, r: SimResult, honest: SimResult | None) -> dict[str, Any]:
         "wall_s": r.wall_s,
         **{k: v for k, v in stats.items() if k not in ("attack", "bans")},
     }
-    if honest is not None and attack != "none":
+    if isinstance(honest, SimResult) and attack != "none":
         out["vs_honest"] = r.eval_loss / honest.eval_loss
     return out
 
@@ -146,11 +162,11 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     banned_ok = [
         r
         for r in detect
-        if len(r["rounds_until_banned"]) == r["attackers"]
+        if len(r.get("rounds_until_banned", {})) == r.get("attackers")
         and max(r["rounds_until_banned"].values()) <= 3
     ]
     owners = [r for r in robust if r["attack"] == "owner"]
-    cost = {}
+    cost: dict[int, float] = {}
     by = {(r["seed"], r["mode"]): r for r in rows if r["attack"] == "none"}
     for (seed, mode), r in by.items():
         if mode == "robust" and (seed, "mean") in by:
@@ -161,7 +177,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
             (r["seed"], r["attack"], round(r["vs_honest"], 4)) for r in robust if r not in eval_ok
         ],
         "detectable_banned_within_3": f"{len(banned_ok)}/{len(detect)}",
-        "owner_rounds_applied": sum(r["applied_with_attacker"] for r in owners),
+        "owner_rounds_applied": sum(r.get("applied_with_attacker", 0) for r in owners),
         "protections_eval_cost": cost,
     }
 
@@ -222,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     t0 = time.perf_counter()
-    results: dict[str, SimResult] = {}
+    results: dict[str, SimResult | str] = {}
     ctx = multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     with ProcessPoolExecutor(

@@ -201,10 +201,21 @@ class HostileRounds:
     def run(self, fragment: int, syncs: list[fs.FragmentSync], step: int) -> SyncOutcome:
         """Run the slot of ``syncs`` (begun at ``step``) to its end; replica 0's outcome."""
         self.now = step * self.step_s
+        self._note_bans(step)  # bans that ended since the last slot
         done: dict[str, fs.SyncDone] = {}
         by_peer = dict(zip(self.ids, syncs, strict=True))
+        # the records a node would read in the DHT: every replica nobody bans declares
+        # its state, and a replica behind it copies it first (a returning peer rebases)
+        holdings = [
+            (p, eng.version(fragment), eng.digest(fragment))
+            for p, eng in zip(self.ids, self.engines, strict=True)
+            if not self._banned_by_anyone(p)
+        ]
         for peer, sync in by_peer.items():
-            act = sync.plan((), wall_now=self.now)
+            act = sync.plan(holdings, wall_now=self.now)
+            while isinstance(act, fs.FetchState):
+                donor = self.engines[self.ids.index(act.peer)]
+                act = sync.fetched(donor.export_fragment(fragment, step))
             if isinstance(act, fs.SyncDone):
                 done[peer] = act
         seekers = [p for p in self.ids if p not in done]
@@ -212,6 +223,10 @@ class HostileRounds:
         while seekers:
             for p in [p for p in seekers if self._banned_by_anyone(p)]:
                 done[p] = _done(by_peer[p].matched(mm.Alone("banned by a peer")))
+            rounds = collections.Counter(_round(by_peer[p]) for p in seekers if p not in done)
+            common = rounds.most_common(1)[0][0] if rounds else -1
+            for p in [p for p in seekers if p not in done and _round(by_peer[p]) != common]:
+                done[p] = _done(by_peer[p].matched(mm.Alone("out of step with the group")))
             seekers = [p for p in seekers if p not in done]
             if len(seekers) < 2:
                 for p in seekers:
@@ -313,6 +328,12 @@ class HostileRounds:
             return {}
         cap = fs.recent_member_cap(self.weight_cap)
         return {} if math.isinf(cap) else dict.fromkeys(made[1], cap)
+
+
+def _round(sync: fs.FragmentSync) -> int:
+    request = sync.request
+    assert request is not None
+    return request.round
 
 
 def _done(act: fs.Action) -> fs.SyncDone:
