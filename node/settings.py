@@ -156,6 +156,12 @@ class SimConfig:
     """how many replicas are hostile (the last ones; replica 0, the one evaluated, never)"""
     step_s: float = 1.0
     """simulated seconds per inner step: the clock of strikes and bans"""
+    late: int = 0
+    """how many replicas are late (replicas 1 to late): each misses each slot with
+    probability late_prob, then meets the swarm a version behind"""
+    late_prob: float = 0.5
+    keep_late: bool = True
+    """a late replica's Δ is offered at the newer state it copied (else dropped)"""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -169,6 +175,8 @@ class SimConfig:
         self.robust_settings()  # checks the rule
         if not 0 <= self.attackers < self.replicas:
             raise ConfigError(f"attackers must be in [0, replicas), not {self.attackers}")
+        if not 0 <= self.late < self.replicas - self.attackers:
+            raise ConfigError("late must be in [0, replicas - attackers) (replica 0 never is)")
         if self.attackers and not self.attack.strip():
             raise ConfigError("attackers need an attack (--attack)")
         if self.hostile and self.algo == "ddp":
@@ -181,7 +189,12 @@ class SimConfig:
     @property
     def hostile(self) -> bool:
         """Whether rounds go through the all-reduce machines (an attack or a protection)."""
-        return bool(self.attackers) or self.robust_settings() != RobustSettings()
+        return (
+            bool(self.attackers)
+            or bool(self.late)
+            or not self.keep_late
+            or self.robust_settings() != RobustSettings()
+        )
 
     def engine_config(self) -> OuterLoop:
         """The outer loop the replicas drive: the algorithm's defaults, then this run's."""

@@ -29,11 +29,15 @@ attackers are the last replicas.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import math
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier
 from atoll.node.net.attacks import Attack, hostile_parts, nan_prefix
@@ -43,9 +47,10 @@ from atoll.protocol import sync as fs
 from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import ConfigError
 from atoll.protocol.manifest import RobustSettings
+from atoll.protocol.reduce import allreduce_bytes_per_peer
 from atoll.protocol.streaming import SyncOutcome
 from atoll.protocol.strikes import Strikes, reason_of_failure, self_accused
-from atoll.security.identity import generate
+from atoll.security.identity import Identity
 
 __all__ = ["AttackStats", "HostileRounds", "run_in_memory"]
 
@@ -112,6 +117,18 @@ class AttackStats:
     rounds_until_banned: dict[str, int] = field(default_factory=dict)
     """per attacker: its rounds (groups it was in) until every honest replica first
     banned it; absent when it never was"""
+    late_missed: int = 0
+    """slots a late replica missed"""
+    late_kept: int = 0
+    """syncs of a late replica that copied the newer state and offered their Δ there"""
+    late_dropped: int = 0
+    """syncs of a late replica that copied the newer state and dropped their Δ"""
+    fetch_bytes: int = 0
+    """bytes of fragment states copied by replicas behind (rebases), all replicas"""
+    round_bytes: int = 0
+    """bytes the members of every round sent (a bandwidth-optimal all-reduce of the
+    encoded Δ each, as the reference exchange counts; a verified owner's extra copy
+    not counted), all replicas"""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,8 +149,16 @@ class HostileRounds:
         *,
         weight_cap: float,
         step_s: float = 1.0,
+        late: int = 0,
+        late_prob: float = 0.0,
+        keep_late: bool = True,
+        seed: int = 0,
     ) -> None:
         n = len(engines)
+        if not 0 <= late < n - attackers:
+            raise ConfigError(f"late must be in [0, {n - attackers}) (replica 0 is never late)")
+        if not 0.0 <= late_prob <= 1.0:
+            raise ConfigError(f"late_prob must be in [0, 1], not {late_prob!r}")
         if not 0 <= attackers < n:
             raise ConfigError(f"attackers must be in [0, {n}) (replica 0 stays honest)")
         if attackers and attack is None:
@@ -148,9 +173,13 @@ class HostileRounds:
         self.weight_cap = weight_cap
         self.step_s = step_s
         self.now = 0.0
-        identities = [generate() for _ in engines]
+        identities = [_identity(seed, m) for m in range(n)]  # the same ids in every run
         self.ids = [i.peer_id for i in identities]
         self.hostile = set(self.ids[n - attackers :])
+        self.late = set(self.ids[1 : 1 + late])
+        self.late_prob = late_prob
+        self.keep_late = keep_late
+        self.draws = random.Random(seed)
         self.sealed = robust.checks
         self.signers = {i.peer_id: EnvelopeSigner(i) for i in identities}
         self.opener = EnvelopeVerifier()
@@ -179,13 +208,10 @@ class HostileRounds:
                 verify_owners=self.robust.verify_owners,
                 sealed=self.sealed,
                 weight_cap=self.weight_cap,
+                keep_late=self.keep_late,
             )
             for eng, peer in zip(self.engines, self.ids, strict=True)
         ]
-
-    def banned_now(self) -> list[str]:
-        """The replicas some honest replica bans now."""
-        return [p for p in self.ids if self._banned_by_anyone(p)]
 
     def _banned_by_anyone(self, peer: str) -> bool:
         return any(s.banned(peer) for s in self.honest)
@@ -213,11 +239,24 @@ class HostileRounds:
         ]
         for peer, sync in by_peer.items():
             act = sync.plan(holdings, wall_now=self.now)
+            fetched = False
             while isinstance(act, fs.FetchState):
                 donor = self.engines[self.ids.index(act.peer)]
-                act = sync.fetched(donor.export_fragment(fragment, step))
+                state = donor.export_fragment(fragment, step)
+                self.stats.fetch_bytes += len(state.encode())
+                act = sync.fetched(state)
+                fetched = True
+            if fetched and peer in self.late:
+                if isinstance(act, fs.SyncDone):
+                    self.stats.late_dropped += 1
+                else:
+                    self.stats.late_kept += 1
             if isinstance(act, fs.SyncDone):
                 done[peer] = act
+        for p in [p for p in self.ids if p in self.late]:  # drawn in replica order
+            if self.draws.random() < self.late_prob and p not in done:
+                self.stats.late_missed += 1
+                done[p] = _done(by_peer[p].matched(mm.Alone("late: missed the slot")))
         seekers = [p for p in self.ids if p not in done]
         attempt = 0
         while seekers:
@@ -290,6 +329,8 @@ class HostileRounds:
         }
         results = run_in_memory(machines, outgoing)
         self.stats.rounds += 1
+        size = codec.encoded_size(request.numel)
+        self.stats.round_bytes += len(machines) * allreduce_bytes_per_peer(size, len(machines))
         for p in self.hostile & set(machines):
             self._rounds_of[p] += 1
         again: list[str] = []
@@ -328,6 +369,13 @@ class HostileRounds:
             return {}
         cap = fs.recent_member_cap(self.weight_cap)
         return {} if math.isinf(cap) else dict.fromkeys(made[1], cap)
+
+
+def _identity(seed: int, replica: int) -> Identity:
+    """Replica ``replica``'s Ed25519 identity, derived from ``seed`` (which member
+    verifies which chunk follows the peer ids, so runs repeat only with the same ids)."""
+    key = hashlib.sha256(f"atoll-sim-{seed}-{replica}".encode()).digest()
+    return Identity(Ed25519PrivateKey.from_private_bytes(key))
 
 
 def _round(sync: fs.FragmentSync) -> int:

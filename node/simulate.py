@@ -285,6 +285,10 @@ def _hostile_rounds(
         cfg.attackers,
         weight_cap=weight_cap(cfg.H, tokens_per_step),
         step_s=cfg.step_s,
+        late=cfg.late,
+        late_prob=cfg.late_prob,
+        keep_late=cfg.keep_late,
+        seed=cfg.seed,
     )
 
 
@@ -348,10 +352,10 @@ class _InProcessExchange:
         syncs = self._syncs.pop(fragment)
         requests = [sync.request for sync in syncs if sync.request is not None]
         if self.hostile is not None:
-            first = requests[0]
-            members = len(self.engines) - len(self.hostile.banned_now())
-            self.sent += allreduce_bytes_per_peer(self.codec.encoded_size(first.numel), members)
-            return self.hostile.run(fragment, syncs, first.step)
+            outcome = self.hostile.run(fragment, syncs, requests[0].step)
+            stats = self.hostile.stats  # rounds and state copies, averaged over replicas
+            self.sent = (stats.round_bytes + stats.fetch_bytes) // len(self.engines)
+            return outcome
         averaged, nbytes = average_requests(requests, self.codec, self.aggregation)
         self.sent += nbytes
         step, round_ = requests[0].step, requests[0].round

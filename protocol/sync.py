@@ -99,6 +99,11 @@ round applied it (rounds are atomic) and clips its own weight by the same rule, 
 honest member never offers more than the others enforce, whatever it trained since (a
 sync held across a cut, rounds failed at the same slot since).
 
+Late work. ``keep_late`` (default on) is what step 2 describes: a sync that copies a
+newer state before its round offers its Δ there. Off, the copy ends the sync and the
+Δ is dropped (the plain rebase); the simulator turns it off to measure what keeping
+the work is worth (``bench/latework.py``).
+
 Attack injection. ``tamper`` (benchmarks and tests only, None in a real node) sees the
 round's spec, this peer's encoded Δ and its weight in :meth:`FragmentSync.matched` and
 returns what the peer sends instead (:mod:`atoll.node.net.attacks`): the engine keeps the
@@ -265,6 +270,7 @@ class FragmentSync:
         verify_owners: bool = False,
         sealed: bool = False,
         weight_cap: float = math.inf,
+        keep_late: bool = True,
     ) -> None:
         if not 0 <= fragment < engine.num_fragments:
             raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
@@ -280,6 +286,7 @@ class FragmentSync:
         self._sealed = sealed
         self._weight_cap = float(weight_cap)
         self._tamper = tamper
+        self._keep_late = keep_late
         self._attestation: Attestation | None = None
         self._phase: Phase = "idle"
         self._request: SyncRequest | None = None
@@ -514,7 +521,8 @@ class FragmentSync:
         self._rebased = (version, state.step)
         request = self._request
         if (
-            not self._after_round
+            self._keep_late
+            and not self._after_round
             and self._local is not None
             and request is not None
             and request.round <= version
