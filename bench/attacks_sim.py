@@ -16,7 +16,8 @@ and is measured live only): an attack run with ``--attackers`` hostile replicas 
 
 - ``robust``: ``rule = --rule`` (trimmed mean by default), ``checks`` (parts sealed) and
   ``verify_owners`` on;
-- ``mean``: the plain token-weighted mean, nothing checked.
+- ``mean``: the plain token-weighted mean; only what every round checks (decoding,
+  size, finite values, the run's weight caps).
 
 Per run: the final eval loss of replica 0's global model (honest) and its ratio to the
 honest-only run of the same seed and mode, the honest replicas' rounds applied and
