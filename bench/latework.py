@@ -4,8 +4,9 @@ in eval loss and bytes, against the plain rebase that drops it.
 A peer that misses a fragment's round (a slow link, a short cut, a busy machine) meets
 the swarm at its next sync one version behind. It copies the newer state either way;
 then it either offers its Δ there, at a staleness discount, and joins the swarm's round
-at once (``keep``, the default: :mod:`atoll.protocol.sync`, "Late work"), or drops it
-and ends the sync with the copy (``drop``, ``keep_late`` off). The simulator runs both,
+at once (``keep``, the default: :mod:`atoll.protocol.sync`, "Late work", at a quarter
+of its token weight; ``full``: at its whole weight, as before that default), or drops
+it and ends the sync with the copy (``drop``, ``keep_late`` off). The simulator runs both,
 deterministically, on the same replicas, data and draws (:mod:`atoll.node.simattack`):
 ``--late`` replicas each miss every slot with probability ``--late-prob``; a run with no
 late replica is the reference.
@@ -65,9 +66,10 @@ def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
         # same machines, so its counts are comparable)
         runs.append((f"seed {seed} none 0", base.with_(late=args.late, late_prob=0.0)))
         for prob in args.probs:
-            for mode in ("keep", "drop"):
-                cfg = base.with_(late=args.late, late_prob=prob, keep_late=mode == "keep")
-                runs.append((f"seed {seed} {mode} {prob}", cfg))
+            late = base.with_(late=args.late, late_prob=prob)
+            runs.append((f"seed {seed} keep {prob}", late))
+            runs.append((f"seed {seed} full {prob}", late.with_(late_weight=1.0)))
+            runs.append((f"seed {seed} drop {prob}", late.with_(keep_late=False)))
     return runs
 
 

@@ -26,6 +26,7 @@ from atoll.protocol.manifest import (
     short_id,
 )
 from atoll.protocol.packing import COSTS, PACKINGS
+from atoll.protocol.sync import LATE_WEIGHT
 from atoll.security.membership import (
     MAX_CERTIFICATE_BYTES,
     Membership,
@@ -162,6 +163,9 @@ class SimConfig:
     late_prob: float = 0.5
     keep_late: bool = True
     """a late replica's Δ is offered at the newer state it copied (else dropped)"""
+    late_weight: float = LATE_WEIGHT
+    """the share of its token weight a Δ offered one version late keeps (the protocol's
+    ``LATE_WEIGHT``)"""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -193,6 +197,7 @@ class SimConfig:
             bool(self.attackers)
             or bool(self.late)
             or not self.keep_late
+            or self.late_weight != LATE_WEIGHT
             or self.robust_settings() != RobustSettings()
         )
 

@@ -152,6 +152,7 @@ class HostileRounds:
         late: int = 0,
         late_prob: float = 0.0,
         keep_late: bool = True,
+        late_weight: float = fs.LATE_WEIGHT,
         seed: int = 0,
     ) -> None:
         n = len(engines)
@@ -179,6 +180,7 @@ class HostileRounds:
         self.late = set(self.ids[1 : 1 + late])
         self.late_prob = late_prob
         self.keep_late = keep_late
+        self.late_weight = late_weight
         self.draws = random.Random(seed)
         self.sealed = robust.checks
         self.signers = {i.peer_id: EnvelopeSigner(i) for i in identities}
@@ -209,6 +211,7 @@ class HostileRounds:
                 sealed=self.sealed,
                 weight_cap=self.weight_cap,
                 keep_late=self.keep_late,
+                late_weight=self.late_weight,
             )
             for eng, peer in zip(self.engines, self.ids, strict=True)
         ]

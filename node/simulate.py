@@ -288,6 +288,7 @@ def _hostile_rounds(
         late=cfg.late,
         late_prob=cfg.late_prob,
         keep_late=cfg.keep_late,
+        late_weight=cfg.late_weight,
         seed=cfg.seed,
     )
 

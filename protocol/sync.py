@@ -30,15 +30,16 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    ahead of this peer's does not end the sync: the peer keeps its Δ (the same
    pseudo-gradient, taken against the copy it trained from) and offers it at the new
    version, a contribution one round stale, as Decoupled DiLoCo merges late updates
-   (arXiv 2604.21428; docs/ALGORITHMS.md §4.3). A peer one version behind is most often
-   one that rebased at its previous sync: the swarm's next round of the fragment starts
+   (arXiv 2604.21428; docs/ALGORITHMS.md §4.3), at :data:`LATE_WEIGHT` of its token
+   weight (a stale Δ at full weight cost loss in the simulator). A peer one version
+   behind is most often one that rebased at its previous sync: the swarm's next round of the fragment starts
    as its own sync starts, and ending the sync at the rebase would make it miss that
    round, and every later one the same way (a peer that rebases at every sync and never
    averages again). A peer further behind (up to :data:`MAX_STALENESS` versions: one
    that was cut off or on the losing side of a split for a few rounds) is met the same
    way when its sync starts with the swarm's: it joins the swarm's round at once with
-   its Δ, whose token weight is divided by the number of versions it missed (a
-   staleness discount, as Decoupled DiLoCo discounts late updates). A peer further
+   its Δ, whose token weight is :data:`LATE_WEIGHT` divided by the number of versions
+   it missed (a staleness discount, as Decoupled DiLoCo discounts late updates). A peer further
    behind still (a cut or a split of many rounds) joins the same way, but what it offers
    is its drift over the missed versions divided by their number, the mean per version,
    at the same discount: its work counts for little, yet it is in the swarm's round at
@@ -100,9 +101,10 @@ honest member never offers more than the others enforce, whatever it trained sin
 sync held across a cut, rounds failed at the same slot since).
 
 Late work. ``keep_late`` (default on) is what step 2 describes: a sync that copies a
-newer state before its round offers its Δ there. Off, the copy ends the sync and the
-Δ is dropped (the plain rebase); the simulator turns it off to measure what keeping
-the work is worth (``bench/latework.py``).
+newer state before its round offers its Δ there, its token weight multiplied by
+``late_weight`` (:data:`LATE_WEIGHT`) divided by the versions it missed. Off, the copy
+ends the sync and the Δ is dropped (the plain rebase); the simulator turns it off, and
+sets the weight, to measure what keeping the work is worth (``bench/latework.py``).
 
 Attack injection. ``tamper`` (benchmarks and tests only, None in a real node) sees the
 round's spec, this peer's encoded Δ and its weight in :meth:`FragmentSync.matched` and
@@ -138,6 +140,7 @@ from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.robust import RobustRule
 
 __all__ = [
+    "LATE_WEIGHT",
     "MAX_STALENESS",
     "RECENT_PERIODS",
     "Action",
@@ -169,6 +172,13 @@ MAX_STALENESS = 4
 when it rebases before its round; further behind, it offers its mean drift per missed
 version (see the module docstring). After a withdrawal from its slot, a copy further
 ahead than this ends the sync."""
+
+LATE_WEIGHT = 0.25
+"""The share of its token weight a Δ keeps when it is offered one version after the one
+it was taken against (``k`` versions after: ``LATE_WEIGHT / k``). In the simulator, with
+three of eight replicas each missing a quarter or half of their slots, a late Δ at its
+full weight cost 0.5-1.5% of eval loss against a run without late replicas, and at a
+quarter 0.1-0.7% (``bench/latework.py``, docs/BENCHMARKS.md)."""
 
 RoundStatus: TypeAlias = Literal["none", "applied", "failed", "alone", "cancelled"]
 """How the sync's round ended: ``none`` when there was no round (the peer rebased before
@@ -271,6 +281,7 @@ class FragmentSync:
         sealed: bool = False,
         weight_cap: float = math.inf,
         keep_late: bool = True,
+        late_weight: float = LATE_WEIGHT,
     ) -> None:
         if not 0 <= fragment < engine.num_fragments:
             raise ConfigError(f"no fragment {fragment} (there are {engine.num_fragments})")
@@ -287,6 +298,9 @@ class FragmentSync:
         self._weight_cap = float(weight_cap)
         self._tamper = tamper
         self._keep_late = keep_late
+        if not (math.isfinite(late_weight) and 0 < late_weight <= 1):
+            raise ConfigError(f"late_weight must be in (0, 1], not {late_weight!r}")
+        self._late_weight = float(late_weight)
         self._attestation: Attestation | None = None
         self._phase: Phase = "idle"
         self._request: SyncRequest | None = None
@@ -534,7 +548,7 @@ class FragmentSync:
             # than MAX_STALENESS, the drift of all the missed versions is offered as its
             # mean per version (local − old) / missed, at the same discount
             missed = version - request.round
-            self._discount = 1.0 if missed <= 1 else 1.0 / missed
+            self._discount = 1.0 if missed < 1 else self._late_weight / missed
             assert old is not None
             drift = self._local - old
             if missed > MAX_STALENESS:

@@ -179,7 +179,7 @@ def _n_ahead(k: int) -> tuple[OuterEngine, fs.Holding]:
 
 def test_a_peer_a_few_versions_behind_offers_its_delta_at_a_discount() -> None:
     """Two versions behind as its sync starts (cut off for a round): the peer copies the
-    state and joins the swarm's round there with its Δ, at half its token weight."""
+    state and joins the swarm's round there with its Δ, at half the late weight."""
     engine, changes = _engine(), []
     other, holding = _two_ahead()
     sync = _sync(engine, changes)
@@ -191,7 +191,7 @@ def test_a_peer_a_few_versions_behind_offers_its_delta_at_a_discount() -> None:
     pending = engine.pending(0)
     assert pending is not None and pending.payload == first.payload
     run = sync.matched(_formed(ME, "b"))
-    assert isinstance(run, fs.RunRound) and run.weight == pending.weight / 2
+    assert isinstance(run, fs.RunRound) and run.weight == pending.weight * fs.LATE_WEIGHT / 2
     assert engine.digest(0) == other.digest(0) and changes == [(0, "rebase")]
 
 
@@ -223,7 +223,8 @@ def test_a_peer_far_behind_offers_its_mean_drift_per_missed_version() -> None:
     whole.import_fragment(0, state)
     assert whole.begin(0, whole.global_params(0) + (local - old), 3).payload != pending.payload
     run = sync.matched(_formed(ME, "b"))
-    assert isinstance(run, fs.RunRound) and run.weight == pending.weight / missed
+    assert isinstance(run, fs.RunRound)
+    assert run.weight == pending.weight * fs.LATE_WEIGHT / missed
     assert engine.digest(0) == other.digest(0) and changes == [(0, "rebase")]
 
 
@@ -246,6 +247,7 @@ def test_a_peer_one_version_behind_rebases_then_offers_its_delta_at_the_new_vers
     assert pending.payload == first.payload
     spec = sync.matched(_formed(ME, "b"))
     assert isinstance(spec, fs.RunRound) and spec.spec.key.round == 1
+    assert spec.weight == first.weight * fs.LATE_WEIGHT  # one round stale
     done = sync.reduced(ar.Done(np.full(N, 1.0, np.float32)), [])
     assert isinstance(done, fs.SyncDone)
     assert done.applied and done.rebased and done.state_step == 77
@@ -475,8 +477,8 @@ def test_withdrawn_from_a_losing_copy_the_peer_offers_its_delta_at_the_winner() 
 
 
 def test_withdrawn_for_a_newer_version_the_peer_joins_the_swarms_slot_if_present() -> None:
-    """A copy two versions ahead: the peer copies it and offers its Δ there, at half
-    weight, if somebody is at that slot now (the driver's matchmaking finds out: the
+    """A copy two versions ahead: the peer copies it and offers its Δ there, at half the
+    late weight, if somebody is at that slot now (the driver's matchmaking finds out: the
     winners may have committed the slot only a moment ago, and come back a period later);
     alone there, the sync ends rebased with nothing pending."""
     engine = _engine()
@@ -490,7 +492,7 @@ def test_withdrawn_for_a_newer_version_the_peer_joins_the_swarms_slot_if_present
     assert isinstance(again, fs.FindGroup) and again.declaration.slot == 2
     assert again.only_if_present
     run = sync.matched(_formed(ME, "b"))
-    assert isinstance(run, fs.RunRound) and run.weight == first.weight / 2
+    assert isinstance(run, fs.RunRound) and run.weight == first.weight * fs.LATE_WEIGHT / 2
     # nobody at the new slot: rebased, alone, the Δ dropped
     lone = _sync(_engine())
     lone.begin(_local(1.0), step=3)
