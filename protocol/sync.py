@@ -32,9 +32,10 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    version, a contribution one round stale, as Decoupled DiLoCo merges late updates
    (arXiv 2604.21428; docs/ALGORITHMS.md §4.3), at :data:`LATE_WEIGHT` of its token
    weight (a stale Δ at full weight cost loss in the simulator). A peer one version
-   behind is most often one that rebased at its previous sync: the swarm's next round of the fragment starts
-   as its own sync starts, and ending the sync at the rebase would make it miss that
-   round, and every later one the same way (a peer that rebases at every sync and never
+   behind is most often one that rebased at its previous sync: the swarm's next round
+   of the fragment starts as its own sync starts, and ending the sync at the rebase
+   would make it miss that round, and every later one the same way (a peer that
+   rebases at every sync and never
    averages again). A peer further behind (up to :data:`MAX_STALENESS` versions: one
    that was cut off or on the losing side of a split for a few rounds) is met the same
    way when its sync starts with the swarm's: it joins the swarm's round at once with
