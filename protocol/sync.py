@@ -32,21 +32,21 @@ all-reduce over libp2p, a state fetch; a test: the same over an in-memory transp
    version, a contribution one round stale, as Decoupled DiLoCo merges late updates
    (arXiv 2604.21428; docs/ALGORITHMS.md §4.3), at :data:`LATE_WEIGHT` of its token
    weight (a stale Δ at full weight cost loss in the simulator). A peer one version
-   behind is most often one that rebased at its previous sync: the swarm's next round
-   of the fragment starts as its own sync starts, and ending the sync at the rebase
-   would make it miss that round, and every later one the same way (a peer that
-   rebases at every sync and never
-   averages again). A peer further behind (up to :data:`MAX_STALENESS` versions: one
-   that was cut off or on the losing side of a split for a few rounds) is met the same
-   way when its sync starts with the swarm's: it joins the swarm's round at once with
-   its Δ, whose token weight is :data:`LATE_WEIGHT` divided by the number of versions
-   it missed (a staleness discount, as Decoupled DiLoCo discounts late updates). A peer further
-   behind still (a cut or a split of many rounds) joins the same way, but what it offers
-   is its drift over the missed versions divided by their number, the mean per version,
-   at the same discount: its work counts for little, yet it is in the swarm's round at
-   once instead of copying the state, dropping Δ and meeting the fragment a whole period
-   later (after a 60 s cut the cut node, 8 versions behind on one fragment, missed that
-   fragment's next round so, and the fragment had no round of all four for 32 s).
+   behind is most often one that rebased at its previous sync: the swarm's next round of
+   the fragment starts as its own sync starts, and ending the sync at the rebase would
+   make it miss that round, and every later one the same way (a peer that rebases at
+   every sync and never averages again). A peer further behind (up to
+   :data:`MAX_STALENESS` versions: one that was cut off or on the losing side of a split
+   for a few rounds) is met the same way when its sync starts with the swarm's: it joins
+   the swarm's round at once with its Δ, whose token weight is :data:`LATE_WEIGHT`
+   divided by the number of versions it missed (a staleness discount, as Decoupled
+   DiLoCo discounts late updates). A peer further behind still (a cut or a split of many
+   rounds) joins the same way, but what it offers is its drift over the missed versions
+   divided by their number, the mean per version, at the same discount: its work counts
+   for little, yet it is in the swarm's round at once instead of copying the state,
+   dropping Δ and meeting the fragment a whole period later (after a 60 s cut the cut
+   node, 8 versions behind on one fragment, missed that fragment's next round so, and
+   the fragment had no round of all four for 32 s).
 3. :meth:`FragmentSync.matched` with the matchmaking outcome: :class:`RunRound` for a
    formed group, or a roll back when alone. While matching, the driver asks
    :meth:`FragmentSync.outdated` whether the state this sync declared lost to another
