@@ -467,6 +467,8 @@ def _bring_forward(swarm: Swarm, the_plan: Plan, pending: list[Event], now: floa
     for k, ev in enumerate(out):
         if ev.action != "kill" or ev.at <= now:
             continue
+        if any(e.node == ev.node and e.at < ev.at for e in out):
+            continue  # only a node's next event may move: not a second kill before a restart
         life = swarm.nodes[ev.node].lives[-1] if swarm.nodes[ev.node].lives else None
         if life is None or life.ended is not None or not life.progress:
             continue

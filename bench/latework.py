@@ -23,45 +23,20 @@ syncs after a copy kept or dropped Δ; rounds applied, summed over the replicas.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import multiprocessing
-import os
-import platform
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-import torch
+from simruns import base_config, run_all
 
-from atoll.node.data import load_corpus
-from atoll.node.simulate import SimConfig, SimResult, simulate
-
-_CORPUS: Any = None
+from atoll.node.simulate import SimConfig, SimResult
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
     """Every run: label and config (the attack benchmark's budget, no attacker)."""
     runs: list[tuple[str, SimConfig]] = []
     for seed in args.seeds:
-        base = SimConfig(
-            algo="streaming",
-            replicas=args.replicas,
-            steps=args.steps,
-            batch_size=4,
-            preset=args.preset,
-            seed=seed,
-            lr=3e-3,
-            warmup=5,
-            H=args.H,
-            tau=2,
-            alpha=0.5,
-            codec="e3m0",
-            eval_batches=args.eval_batches,
-            log_every=max(1, args.steps // 4),
-            device="cpu",
-        )
+        base = base_config(args, seed)
         # the reference: the same late replicas, never late (its rounds run through the
         # same machines, so its counts are comparable)
         runs.append((f"seed {seed} none 0", base.with_(late=args.late, late_prob=0.0)))
@@ -71,17 +46,6 @@ def plan(args: argparse.Namespace) -> list[tuple[str, SimConfig]]:
             runs.append((f"seed {seed} full {prob}", late.with_(late_weight=1.0)))
             runs.append((f"seed {seed} drop {prob}", late.with_(keep_late=False)))
     return runs
-
-
-def _worker_init(threads: int) -> None:
-    global _CORPUS
-    torch.set_num_threads(threads)
-    _CORPUS = load_corpus("stdlib")
-
-
-def _worker_run(label: str, cfg: SimConfig) -> tuple[str, SimResult]:
-    print(f"--- start: {label}", file=sys.stderr, flush=True)
-    return label, simulate(cfg, corpus=_CORPUS)
 
 
 def row(label: str, r: SimResult, ref: SimResult | None) -> dict[str, Any]:
@@ -145,34 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     args.probs = [float(p) for p in args.probs.split(",") if p]
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     runs = plan(args)
-    doc: dict[str, Any] = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-        },
-        "argv": sys.argv[1:] if argv is None else argv,
-        "runs": [],
-    }
-    t0 = time.perf_counter()
-    results: dict[str, SimResult] = {}
-    ctx = multiprocessing.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
-    with ProcessPoolExecutor(
-        max(1, args.jobs), mp_context=ctx, initializer=_worker_init, initargs=(threads,)
-    ) as ex:
-        futures = [ex.submit(_worker_run, label, cfg) for label, cfg in runs]
-        for fut in futures:
-            label, r = fut.result()
-            results[label] = r
-            doc["runs"] = [
-                row(lab, results[lab], results.get(f"seed {lab.split(' ')[1]} none 0"))
-                for lab, _ in runs
-                if lab in results
-            ]
-            doc["total_wall_s"] = time.perf_counter() - t0
-            with open(args.json, "w") as f:  # rewritten after every run
-                json.dump(doc, f, indent=2)
+
+    def summarise(results: dict[str, SimResult | str]) -> dict[str, Any]:
+        rows = []
+        for lab, _ in runs:
+            r, ref = results.get(lab), results.get(f"seed {lab.split(' ')[1]} none 0")
+            if isinstance(r, SimResult):
+                rows.append(row(lab, r, ref if isinstance(ref, SimResult) else None))
+        return {"runs": rows}
+
+    doc = run_all(runs, jobs=args.jobs, json_path=args.json, argv=argv, summarise=summarise)
     print(table(doc["runs"]))
     return 0
 

@@ -12,7 +12,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def load_bench(name: str) -> Any:
-    """``bench/<name>.py`` as the module ``bench_<name>``."""
+    """``bench/<name>.py`` as the module ``bench_<name>`` (with ``bench/`` on the import
+    path, as when the script runs, for the helpers it imports from its folder)."""
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

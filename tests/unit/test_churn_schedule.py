@@ -64,6 +64,22 @@ def test_a_kill_comes_early_for_a_node_ahead_of_the_plan_and_its_restart_with_it
     assert churn._bring_forward(swarm, _plan(pending, earliest_s=6.0), pending, 5.0) == pending
 
 
+def test_only_a_nodes_next_kill_comes_early_never_a_second_one_before_its_restart(
+    swarm: Any,
+) -> None:
+    """A node far ahead of the plan qualifies for both of its kills at once; moving both
+    to now made the second kill find the node down (skipped, and its restart with it)."""
+    pending = [E(6.0, "kill", 0), E(8.0, "restart", 0), E(10.0, "kill", 0), E(12.0, "restart", 0)]
+    _at_step(swarm, 0, 90)  # past both kills' shares of the plan (30% and 50%)
+    moved = churn._bring_forward(swarm, _plan(pending), pending, 5.0)
+    assert moved == [
+        E(5.0, "kill", 0),
+        E(7.0, "restart", 0),
+        E(10.0, "kill", 0),
+        E(12.0, "restart", 0),
+    ]
+
+
 def test_a_kill_is_not_brought_forward_into_another_nodes_outage(swarm: Any) -> None:
     pending = [E(6.0, "kill", 1), E(10.0, "restart", 1), E(12.0, "kill", 0), E(16.0, "restart", 0)]
     _at_step(swarm, 0, 80)
