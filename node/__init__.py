@@ -10,6 +10,8 @@ Map of the modules:
 - ``data``      the no-download corpus (the stdlib's source) and deterministic batches
 - ``train``     one replica: inner AdamW, warmup + cosine, fragment views, evaluation
 - ``simulate``  M replicas in one process driving the protocol engine, with byte counts
+- ``simattack`` the simulator's rounds through the real all-reduce machines: hostile
+                and late replicas, checks, strikes and bans
 - ``envelopes`` the DHT's record seal (``RecordSigner``/``RecordVerifier``) over
                 atoll.security's Ed25519 envelopes
 - ``bootstrap`` ``atoll bootstrap``: a run-agnostic DHT server on a bare host, no torch

@@ -19,7 +19,11 @@ deterministic, so an attack run differs from its honest-only run only by the att
   of ``step_s`` simulated seconds per inner step, strikes the culprit a failed round
   names as the swarm's syncer does, and a round that failed on a proven fault is sought
   once more without the banned member (:meth:`FragmentSync.regroup`). A peer banned by
-  any honest replica is left out of later groups until the ban ends.
+  any honest replica is left out of later groups until the ban ends;
+- late replicas (replicas 1 to ``late``, never hostile) each miss every slot with
+  probability ``late_prob``, drawn from the seed; at their next sync they are a version
+  behind, copy the state and offer their Δ there at the late weight, or drop it
+  (``keep_late`` off): what ``bench/latework.py`` compares.
 
 The group of a slot is every replica nobody has banned (matchmaking is not simulated),
 in replica order; replica 0 is honest and its global model is the one evaluated; the
