@@ -230,11 +230,6 @@ class PeerRecord:
     training: bool = True
     """False once its trainer stopped (the node settles or leaves): it still holds and
     serves its global copy, but joins no more groups, so it counts toward no quorum"""
-    step: int = -1
-    """the inner step its trainer had reached at publication (-1: not known), so that a
-    node resuming from a checkpoint or joining starts near the swarm's step instead of
-    finding the slots of its old step passed (self-reported: nothing that decides a round
-    trusts it; a peer that lies about it moves nobody further than the median)"""
 
     def key(self) -> str:
         """The DHT key this record is stored under."""
@@ -461,8 +456,6 @@ def _digest_problem(name: str, digest: str, *, empty: bool) -> str | None:
 def _peer_problem(r: PeerRecord) -> str | None:
     if r.tokens_per_s < 0:
         return f"tokens_per_s {r.tokens_per_s} is negative"
-    if r.step < -1:
-        return f"step {r.step} is below -1"
     if _AGENT.fullmatch(r.agent) is None:
         return f"agent {_clip(r.agent)} is not printable ASCII"
     for addr in r.addrs:
