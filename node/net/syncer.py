@@ -50,7 +50,10 @@ uncertified for :data:`FALL_BACK_AFTER_S`, its members are asked for their attes
 when those that answer are fewer than the quorum needs, the fragment falls back to the
 kept state (:meth:`Syncer.fall_back_if_uncertifiable`): the round is as if it had
 failed, and this node meets the others at the earlier slot again. The trainer keeps
-what it learned; only the shared global copy goes back.
+what it learned; only the shared global copy goes back. A member that settled and left
+published its attestation first, so the board still holds it: the fall-back waits for
+a board lookup that answered (one that ran out of time, on a busy machine or while the
+DHT still dials the member that left, proves nothing), up to :data:`FALL_BACK_LATEST_S`.
 
 Strikes and bans. With :attr:`Syncer.strikes` (the node's
 :class:`~atoll.protocol.strikes.Strikes`), a round that failed naming a culprit strikes it
@@ -194,6 +197,10 @@ FALL_BACK_AFTER_S = 10.0
 its round's members than the quorum still answer, before the fragment falls back to the
 state before the round (a member's attestation goes out within a second or two of the
 commit, so a state still uncertified this long after has lost a signer)"""
+
+FALL_BACK_LATEST_S = 30.0
+"""How long an uncertified state may wait for a board lookup that answers before the
+fragment falls back anyway (the DHT may be unreachable for longer than a sync can wait)"""
 
 MAX_ASKED = 4
 """Most peers asked directly for the attestations of one state per lookup."""
@@ -522,12 +529,23 @@ class Syncer:
         own = self.attested(p, *state) if self.attested is not None else None
         seals = [own] if own is not None else []
         bound = answer_bound(self.timeouts)
-        await self._certify_state(p, *state, self._signers(att), bound, seals)
+        board = await self._certify_state(p, *state, self._signers(att), bound, seals)
         if beliefs.believes(p, *state):
             self._unsure.pop(p, None)
             return False
         if len(self._signers(att)) + 1 >= beliefs.quorum:
             return False  # enough of the round's members answer: their attestations may come
+        if not board and now - unsure.since < FALL_BACK_LATEST_S:
+            # the board did not answer in time: a member that left published its
+            # attestation there before it went, so look again at the next turn
+            logger.info(
+                "fragment %d: version %d still uncertified; the board did not answer"
+                " within %.1f s: looking again before falling back",
+                p,
+                state[0],
+                bound,
+            )
+            return False
         if p in self._syncing or p in self._ahead:  # began meanwhile: at the next turn
             return False
         fell = await self.engine_call(self._fall_back, p, unsure, trio.current_time())
@@ -655,25 +673,33 @@ class Syncer:
         holders: list[str],
         bound: float,
         seals: Sequence[bytes] = (),
-    ) -> None:
+    ) -> bool:
         """The board's and ``holders``' attestations of one state (with ``seals``, held
         already), offered to the beliefs as they come; the rest are called off once a
-        certificate is found."""
+        certificate is found. Whether the board answered within ``bound`` (or a
+        certificate was found before it did)."""
         beliefs = self.peers.beliefs
         assert beliefs is not None
         seals = list(seals)
+        board = [self.attestations is None]
 
         def got(more: Sequence[bytes]) -> None:
             seals.extend(more)
             if beliefs.offer(p, version, digest, seals, now=trio.current_time()) is not None:
+                board[0] = True
                 nursery.cancel_scope.cancel()
+
+        def answered(more: Sequence[bytes]) -> None:
+            board[0] = True
+            got(more)
 
         async with trio.open_nursery() as nursery:
             if self.attestations is not None:
-                nursery.start_soon(self._look_up, p, version, digest, bound, got)
+                nursery.start_soon(self._look_up, p, version, digest, bound, answered)
             for peer in holders:
                 nursery.start_soon(self._ask, peer, p, version, digest, bound, got)
         beliefs.offer(p, version, digest, seals, now=trio.current_time())
+        return board[0]
 
     async def _look_up(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,7 @@ from atoll.node.net.publisher import AttestationPublisher
 from atoll.node.net.rounds import Mailbox
 from atoll.node.net.syncer import (
     FALL_BACK_AFTER_S,
+    FALL_BACK_LATEST_S,
     IN_TOUCH_S,
     Syncer,
     SyncReport,
@@ -1501,6 +1503,87 @@ def test_a_pair_member_whose_partner_answers_keeps_its_state_uncertified_for_now
             await trio.sleep(4 * FALL_BACK_AFTER_S)
             assert nodes[0].state() == held != start
             assert nodes[0].syncer.fallbacks == 0 and nodes[0].syncer.uncertified() == [0]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+class _SlowBoard:
+    """A node's view of the attestation board whose lookups answer only from ``until``
+    (trio's clock) on: a DHT that still dials a member that left, on a busy machine."""
+
+    def __init__(self, board: Any, until: float) -> None:
+        self.board = board
+        self.until = until
+        self.lookups = 0
+
+    async def find_attestations(self, fragment: int, version: int) -> list[Any]:
+        self.lookups += 1
+        await trio.sleep_until(self.until)
+        return list(await self.board.find_attestations(fragment, version))
+
+
+async def _pair_then_partner_left(
+    net: MemoryNetwork, services: trio.Nursery, slow_until: float
+) -> tuple[list[Node], tuple[int, str], _SlowBoard]:
+    """peer-0 and peer-1 commit a round as a pair; peer-1 publishes its attestation and
+    leaves; peer-0's board lookups answer only from ``slow_until`` seconds on."""
+    _, nodes = await _swarm(net, services, 3)
+    start = nodes[0].state()
+    await _sync_all(nodes[:2], _locals(2), 3)
+    held = nodes[0].state()
+    assert held == nodes[1].state() != start
+    board = net.board_of("peer-2", Liveness())
+    with trio.fail_after(10):
+        while not [r for r in await board.find_attestations(0, held[0]) if r.peer_id == "peer-1"]:
+            await trio.sleep(0.1)
+    net.kill("peer-1")
+    slow = _SlowBoard(nodes[0].syncer.attestations, trio.current_time() + slow_until)
+    nodes[0].syncer.attestations = slow
+    services.start_soon(watch_certificates, nodes[0].syncer, 1, 2.0)
+    return nodes, start, slow
+
+
+def test_a_pair_member_waits_for_a_slow_board_holding_its_left_partners_attestation() -> None:
+    """peer-1 settled and left after publishing its attestation; peer-0's lookups run
+    out of time while the board is slow. A lookup that ran out of time proves nothing,
+    so peer-0 keeps the state, and believes it once the board answers."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            nodes, start, slow = await _pair_then_partner_left(
+                net, services, FALL_BACK_AFTER_S + 10
+            )
+            first = nodes[0]
+            held = first.state()
+            beliefs = first.syncer.peers.beliefs
+            assert beliefs is not None
+            with trio.fail_after(FALL_BACK_LATEST_S):
+                while not beliefs.believes(0, *held):
+                    assert first.state() == held != start
+                    await trio.sleep(0.5)
+            assert slow.lookups > 1  # some ran out of time before the board answered
+            assert first.syncer.fallbacks == 0 and first.syncer.uncertified() == []
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+def test_a_pair_member_falls_back_when_the_board_never_answers() -> None:
+    """The same, but the board never answers: peer-0 falls back once
+    FALL_BACK_LATEST_S passed since its round."""
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            t0 = trio.current_time()
+            nodes, start, _ = await _pair_then_partner_left(net, services, math.inf)
+            first = nodes[0]
+            first.syncer.offload = _in_a_thread
+            with trio.fail_after(FALL_BACK_LATEST_S + 30):
+                while first.state() != start:
+                    await trio.sleep(0.5)
+            assert trio.current_time() - t0 >= FALL_BACK_LATEST_S
+            assert first.syncer.fallbacks == 1 and first.syncer.uncertified() == []
             services.cancel_scope.cancel()
 
     _run(main)
