@@ -199,7 +199,10 @@ def test_a_node_resumed_at_a_wrong_step_is_caught_before_it_contributes(
     refused one moves to the other's step, and only then do they apply rounds together.
     Which one moves is the step order's choice: with two peers there is no majority to
     say which step is right."""
-    run = local_swarm.write_manifest("wrong", local_swarm.manifest("wrong-step", **RUN))
+    # long enough a run for b to resume far past a and still train
+    run = local_swarm.write_manifest(
+        "wrong", local_swarm.manifest("wrong-step", **{**RUN, "total_steps": 1200})
+    )
     local_swarm.start_bootstrap()
     a = local_swarm.start_node("a", run, steps=0, wait_peers=1, extra=FAST)
     b = local_swarm.start_node("b", run, steps=0, wait_peers=1, extra=FAST)
@@ -214,9 +217,12 @@ def test_a_node_resumed_at_a_wrong_step_is_caught_before_it_contributes(
     store = CheckpointStore(folder)
     newest = store.latest()
     assert newest is not None
-    # ten periods and a half past a's step: each fragment's sync falls about half a
-    # period away from a's (a may have moved on a little by the time b is back)
-    wrong = max(stopped_at, a.progress.get("step", 0)) + 126
+    # twenty periods and a half past a's step: each fragment's sync falls about half a
+    # period away from a's. a trains on alone while b restarts (a hogged CI run saw it
+    # move some 70 steps): the margin keeps b further from a than the steps groupmates
+    # may differ by (4 periods) plus one, where only an out-of-step refusal brings two
+    # peers that never meet at a slot together
+    wrong = max(stopped_at, a.progress.get("step", 0)) + 246
     store.save(newest.tensors, {**newest.meta, "step": wrong})
 
     # b trains until stopped: once the two are in step, realigning and the next syncs'
