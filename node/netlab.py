@@ -72,7 +72,7 @@ from typing import Any
 
 from atoll.protocol.errors import AtollError
 
-__all__ = ["LabError", "NetLab", "available", "parse_rate"]
+__all__ = ["LabError", "NetLab", "available", "list_namespaces", "ns_pids", "parse_rate"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,12 +144,14 @@ def _run(
     return done
 
 
-def _namespaces() -> list[str]:
+def list_namespaces() -> list[str]:
+    """The names of the network namespaces on this machine."""
     out = _run(["ip", "netns", "list"], "listing network namespaces").stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _ns_pids(name: str) -> list[int]:
+def ns_pids(name: str) -> list[int]:
+    """The processes running in namespace ``name``."""
     done = _run(["ip", "netns", "pids", name], f"listing processes in {name}", check=False)
     return [int(p) for p in done.stdout.split() if p.isdigit()]
 
@@ -170,7 +172,7 @@ def _end_processes(names: Iterable[str]) -> list[int]:
     names = list(names)
 
     def pids() -> list[int]:
-        return [p for n in names for p in _ns_pids(n) if p != os.getpid()]
+        return [p for n in names for p in ns_pids(n) if p != os.getpid()]
 
     left = pids()
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -189,7 +191,7 @@ def _end_processes(names: Iterable[str]) -> list[int]:
 def _delete_namespaces(names: Iterable[str]) -> list[str]:
     """Delete the namespaces ``names`` that exist; the errors, one line each."""
     errors = []
-    existing = set(_namespaces())
+    existing = set(list_namespaces())
     for name in names:
         if name not in existing:
             continue
@@ -204,11 +206,11 @@ def sweep_stale() -> list[str]:
     """Remove namespaces of labs whose program is gone and that hold no process (a
     program killed with SIGKILL cannot clean up); the names removed."""
     stale = []
-    for name in _namespaces():
+    for name in list_namespaces():
         m = _NAME.match(name)
         if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
             continue
-        if not _ns_pids(name):
+        if not ns_pids(name):
             stale.append(name)
     # node namespaces first: the switch goes last, like close() does
     stale.sort(key=lambda n: n.endswith("sw"))
@@ -434,6 +436,43 @@ class NetLab:
             f"setting {key} in {ns}",
         )
 
+    def add_namespace(self, index: int, what: str) -> str:
+        """Create one more namespace of this lab (its loopback up, IPv6 off), named like
+        its nodes with ``index`` (which must be past theirs), and removed with them; its
+        name. For labs built on this one (:mod:`~atoll.node.natlab`)."""
+        self._check(0)
+        if index < self.n:
+            raise LabError(f"namespace index {index} is a node's (0..{self.n - 1})")
+        name = f"{self.switch[: -len('sw')]}n{index}"
+        self._made.insert(0, name)  # removed before the switch, like the nodes
+        _run(["ip", "netns", "add", name], f"creating {what}")
+        _run(["ip", "-n", name, "link", "set", "lo", "up"], f"{what}'s loopback")
+        self._sysctl(name, "net/ipv6/conf/all/disable_ipv6", "1")
+        return name
+
+    def command(
+        self, args: Sequence[str], what: str, *, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run one lab command (``ip``, ``iptables-restore`` ...) bounded by
+        :data:`COMMAND_TIMEOUT_S`; LabError saying ``what`` failed."""
+        self._check(0)
+        return _run(args, what, stdin=stdin)
+
+    def sysctl(self, ns: str, key: str, value: str) -> None:
+        """Set ``/proc/sys/<key>`` in namespace ``ns`` of this lab."""
+        self._check(0)
+        self._sysctl(ns, key, value)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """Every namespace of the lab: the nodes', added ones and the switch."""
+        return tuple(self._made)
+
     # -- addresses ---------------------------------------------------------------------------
     def __len__(self) -> int:
         return self.n
@@ -462,7 +501,7 @@ class NetLab:
     def pids(self, i: int) -> list[int]:
         """The processes now running inside node ``i``'s namespace."""
         self._check(i)
-        return _ns_pids(self.names[i])
+        return ns_pids(self.names[i])
 
     # -- faults ------------------------------------------------------------------------------
     def _apply_rules(self, i: int) -> None:
@@ -565,7 +604,7 @@ class NetLab:
                 errors = _delete_namespaces(order)
                 if left:
                     errors.append(f"processes {left} did not end")
-                leftover = sorted(set(self._made) & set(_namespaces()))
+                leftover = sorted(set(self._made) & set(list_namespaces()))
                 if leftover:
                     errors.append(f"namespaces {leftover} still exist")
             finally:
