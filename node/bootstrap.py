@@ -44,6 +44,7 @@ import logging
 import os
 import secrets
 import signal
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -55,6 +56,7 @@ from libp2p.host.basic_host import BasicHost
 from atoll.dht.kad import DHT_PROTOCOL, AtollDHT
 from atoll.dht.status import serve_status
 from atoll.node.envelopes import EnvelopeSigner, EnvelopeVerifier, SystemClock
+from atoll.node.net.dialback import serve_dialback
 from atoll.node.net.host import AtollHost, HostConfig, expand_wildcard, open_host, open_libp2p_host
 from atoll.node.settings import BootstrapConfig, check_own_membership, load_membership
 from atoll.protocol.errors import ConfigError, unwrap_lone
@@ -161,6 +163,7 @@ async def _serve_dht(
         ) as dht,
     ):
         serve_status(host, dht.value_store)
+        serve_dialback(host, wall=time.time)
         addrs = dialable_addrs(host)
         if cfg.addr_file:
             write_addr_file(Path(cfg.addr_file).expanduser(), addrs)
@@ -201,6 +204,7 @@ async def _serve_private(
     ):
         _members_only(atoll)
         serve_status(atoll.libp2p_host, dht.value_store)
+        serve_dialback(atoll.libp2p_host, wall=time.time)
         nursery.start_soon(_drop_messages, atoll)
         addrs = dialable_addrs(atoll.libp2p_host)
         if cfg.addr_file:

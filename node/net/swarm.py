@@ -73,6 +73,7 @@ from atoll.node.net.bridge import (
     serve,
 )
 from atoll.node.net.certwatch import watch_certificates
+from atoll.node.net.dialback import serve_dialback
 from atoll.node.net.faults import parse_fault
 from atoll.node.net.host import AGENT, AtollHost, HostConfig, open_host
 from atoll.node.net.join import JoinFailed, join_swarm
@@ -651,6 +652,7 @@ async def swarm_worker(
         trio.open_nursery() as nursery,
     ):
         serve_status(host.libp2p_host, dht.value_store)
+        serve_dialback(host.libp2p_host, wall=SystemClock().wall)
         node = _Node(
             shared,
             outbox,
