@@ -334,6 +334,20 @@ def _cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from atoll.node.doctor import run_doctor
+
+    checks = run_doctor(
+        listen=args.listen,
+        joins=args.join,
+        checkpoint_dir=Path(args.checkpoint_dir),
+        timeout_s=args.timeout_s,
+    )
+    for check in checks:
+        print(check.line(), flush=True)
+    return 1 if any(c.verdict == "fail" for c in checks) else 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from atoll.node.swarmstatus import format_view, query
     from atoll.protocol.manifest import RunManifest
@@ -468,6 +482,32 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout-s", type=float, default=10.0, help="per peer (default 10)")
     status.add_argument("--json", help="also write the records to this file")
     status.set_defaults(func=_cmd_status)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine before joining a swarm: torch, disk, port, reachability",
+        description=(
+            "One line per check, each with a verdict (ok, warn, fail, skip) and what to do: "
+            "torch and its device, free disk for checkpoints, the listen port, whether the "
+            "--join peers can dial this node back (behind a NAT or firewall they cannot), "
+            "and the clock's skew against theirs. Exit status 1 when a check failed."
+        ),
+    )
+    doctor.add_argument(
+        "--join", action="append", default=[], metavar="MULTIADDR", help="peer to ask"
+    )
+    doctor.add_argument(
+        "--listen",
+        default="/ip4/0.0.0.0/tcp/4001",
+        help="the address the node will listen on (default /ip4/0.0.0.0/tcp/4001)",
+    )
+    doctor.add_argument(
+        "--checkpoint-dir",
+        default="~/.atoll/checkpoints",
+        help="where checkpoints will go (default ~/.atoll/checkpoints)",
+    )
+    doctor.add_argument("--timeout-s", type=float, default=10.0, help="per peer (default 10)")
+    doctor.set_defaults(func=_cmd_doctor)
 
     keygen = sub.add_parser(
         "keygen",

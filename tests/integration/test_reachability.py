@@ -1,0 +1,119 @@
+"""Reachability by dial-back, in the NAT lab: ``atoll doctor`` run in a public namespace
+finds its port reached by the bootstrap peer; run behind a cone, a symmetric or a double
+NAT it finds it is not, and says what to do. Real ``atoll bootstrap`` and ``atoll doctor``
+processes in network namespaces; skipped, with the reason, where the lab cannot be built.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from atoll.node.natlab import NatLab
+from atoll.node.netlab import available
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+_why = available()
+if _why is not None:
+    pytestmark.append(pytest.mark.skip(reason=_why))
+
+CLI = [sys.executable, "-m", "atoll.node.cli"]
+KINDS = ("cone", "symmetric", "double")
+START_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatLab, str, Path]]:
+    """The lab with a second public node, and a bootstrap peer on public node 0; its
+    address."""
+    work = tmp_path_factory.mktemp("reach")
+    with NatLab(public=2, homes=KINDS) as lab:
+        addr_file = work / "bootstrap.addr"
+        boot = subprocess.Popen(
+            [
+                *lab.public_prefix(0),
+                *CLI,
+                "bootstrap",
+                "--identity",
+                str(work / "bootstrap.key"),
+                "--listen",
+                f"/ip4/{lab.public_ip(0)}/tcp/4001",
+                "--addr-file",
+                str(addr_file),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(work / "bootstrap.err").open("w"),
+        )
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not (addr_file.exists() and addr_file.read_text().strip()):
+                assert boot.poll() is None, (work / "bootstrap.err").read_text()
+                assert time.monotonic() < deadline, "no bootstrap address in time"
+                time.sleep(0.2)
+            yield lab, addr_file.read_text().split()[0], work
+        finally:
+            boot.terminate()
+            try:
+                boot.wait(10)
+            except subprocess.TimeoutExpired:
+                boot.kill()
+                boot.wait(5)
+
+
+def _doctor(prefix: list[str], join: str, work: Path) -> tuple[int, dict[str, str]]:
+    done = subprocess.run(
+        [
+            *prefix,
+            *CLI,
+            "doctor",
+            "--listen",
+            "/ip4/0.0.0.0/tcp/4002",
+            "--join",
+            join,
+            "--checkpoint-dir",
+            str(work / "ck"),
+            "--timeout-s",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+    lines = {}
+    for line in done.stdout.splitlines():
+        verdict, _, rest = line.partition("  ")
+        name, _, detail = rest.strip().partition(": ")
+        lines[name] = f"{verdict.strip()} {detail}"
+    assert {"torch", "disk", "port", "reachability", "clock"} <= set(lines), (
+        done.stdout + done.stderr
+    )
+    return done.returncode, lines
+
+
+def test_a_public_node_is_reachable(swarm: tuple[NatLab, str, Path]) -> None:
+    lab, join, work = swarm
+    code, lines = _doctor(lab.public_prefix(1), join, work)
+    assert code == 0
+    assert lines["reachability"].startswith(
+        "ok reachable: peers dialed this node back at port 4002"
+    )
+    assert f"seen as {lab.public_ip(1)}:" in lines["reachability"]
+    assert lines["clock"].startswith("ok ")
+
+
+@pytest.mark.parametrize("h", range(len(KINDS)), ids=list(KINDS))
+def test_a_home_node_behind_a_nat_is_told_it_is_not_reachable(
+    swarm: tuple[NatLab, str, Path], h: int
+) -> None:
+    lab, join, work = swarm
+    code, lines = _doctor(lab.home_prefix(h), join, work)
+    assert code == 0  # a warning, not a failure: the node can still take part
+    reach = lines["reachability"]
+    assert reach.startswith("warn not reachable: 1 peers could not dial this node back"), reach
+    assert f"seen as {lab.wan_ip(h)}:" in reach and "forward its listen port" in reach
