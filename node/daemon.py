@@ -649,6 +649,7 @@ class _Run:
             "bytes_down": status.bytes_down,
             "rounds_applied": status.rounds_applied,
             "peer_id": status.peer_id,
+            "reach": status.reach,
         }
 
     def summary(
@@ -726,6 +727,8 @@ class ProgressPrinter:
             f"step {p['step']:>6}/{p['end']}  loss {p['loss']:.4f}  "
             f"{p['tokens_per_s'] / 1e3:6.1f} ktok/s  peers {p['peers_live']}/{p['peers']}  "
             f"up {p['bytes_up'] / 1e6:7.2f} MB  down {p['bytes_down'] / 1e6:7.2f} MB  "
-            f"net wait {p['net_wait_s']:5.1f} s  syncs [{syncs}]\n"
+            f"net wait {p['net_wait_s']:5.1f} s  syncs [{syncs}]"
+            + (f"  {p['reach']}" if p.get("reach") else "")
+            + "\n"
         )
         self.stream.flush()

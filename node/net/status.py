@@ -102,6 +102,9 @@ class NodeStatus:
     """strikes this node gave so far, all peers"""
     bans: int = 0
     """bans this node gave so far, all peers"""
+    reach: str = ""
+    """whether peers can dial this node (``public``, ``private``, ``unknown``; empty
+    until its dial-back check ends, :mod:`~atoll.node.net.dialback`)"""
 
     # -- wire ----------------------------------------------------------------------------
     def to_wire(self) -> dict[str, Any]:
@@ -137,6 +140,7 @@ class NodeStatus:
             "banned": list(self.banned),
             "strikes": self.strikes,
             "bans": self.bans,
+            "reach": self.reach,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -243,6 +247,7 @@ def _bytes_per_peer(v: object) -> dict[str, tuple[int, int]]:
 
 
 _PARSERS: dict[str, Callable[[object], Any]] = {
+    "reach": _str,
     "peer_id": _str,
     "run_id": _str,
     "addrs": _tuple_of(_str),

@@ -26,6 +26,10 @@ each do one job:
   weak ``uncertified``); banned peers are not grouped with, followed or counted;
   :class:`~atoll.node.net.publisher.EvidenceExchange` publishes the signed record of a
   banned forger and judges the others' evidence;
+- reachability: the ``--join`` peers are asked to dial this node back once it joined
+  (:mod:`~atoll.node.net.dialback`); the verdict is logged in one line and posted in
+  the status (``reach``, shown on the status line); this node answers the same
+  question for others;
 - attack injection for benchmarks and tests (``attack``,
   :mod:`atoll.node.net.attacks`): the syncer's tamper, a transport that tampers with
   parts as they leave, a forged record;
@@ -51,6 +55,7 @@ import base64
 import functools
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -73,7 +78,7 @@ from atoll.node.net.bridge import (
     serve,
 )
 from atoll.node.net.certwatch import watch_certificates
-from atoll.node.net.dialback import serve_dialback
+from atoll.node.net.dialback import ask_dialback, serve_dialback
 from atoll.node.net.faults import parse_fault
 from atoll.node.net.host import AGENT, AtollHost, HostConfig, open_host
 from atoll.node.net.join import JoinFailed, join_swarm
@@ -99,12 +104,19 @@ from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError, ConfigError
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import RunManifest
+from atoll.protocol.reachability import DialBackReply
+from atoll.protocol.reachability import verdict as reachability_verdict
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.strikes import Strikes
 from atoll.protocol.sync import weight_cap
 from atoll.security.identity import load_or_create
 
 __all__ = ["JoinFailed", "join_swarm", "swarm_worker"]
+
+MAX_DIALBACK_ASKED = 3
+"""``--join`` peers asked to dial this node back at start"""
+DIALBACK_TIMEOUT_S = 20.0
+"""the bound of each dial-back exchange (the server's dials included)"""
 
 logger = logging.getLogger(__name__)
 
@@ -564,6 +576,27 @@ class _Node:
             await trio.sleep(_STATUS_EVERY_S)
 
 
+async def _check_reachability(
+    node: _Node, host: AtollHost, joins: Sequence[str], timeout_s: float
+) -> None:
+    """Ask the ``--join`` peers to dial this node back (:mod:`~atoll.node.net.dialback`);
+    log the verdict in one line and post it in the status (``reach``)."""
+    ports = sorted(
+        {int(a.split("/tcp/", 1)[1].split("/", 1)[0]) for a in host.addrs if "/tcp/" in a}
+    )
+    replies: list[DialBackReply] = []
+    arrived: list[float] = []
+    for addr in joins[:MAX_DIALBACK_ASKED]:
+        try:
+            replies.append(await ask_dialback(host.libp2p_host, addr, ports, timeout_s=timeout_s))
+            arrived.append(time.time())
+        except AtollError as e:
+            logger.info("reachability: %s", e)
+    found = reachability_verdict(replies, local_wall_s=arrived)
+    (logger.warning if found.reach == "private" else logger.info)("%s", found.line())
+    node.post(reach=found.reach)
+
+
 async def swarm_worker(
     shared: SharedFragments,
     inbox: Connection,
@@ -696,6 +729,8 @@ async def swarm_worker(
         start_step = await node.catch_up() if joined else 0
         node.syncer.step = start_step
         node.post(start_step=start_step, addrs=tuple(host.addrs), joined=joined)
+        if join:
+            nursery.start_soon(_check_reachability, node, host, join, DIALBACK_TIMEOUT_S)
         nursery.start_soon(node.publisher.run)
         nursery.start_soon(node.peers.watch, _PEERS_EVERY_S)
         nursery.start_soon(node.peers.watch_silent, node.probe, _PROBE_EVERY_S)

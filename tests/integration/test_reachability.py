@@ -6,11 +6,13 @@ processes in network namespaces; skipped, with the reason, where the lab cannot 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,3 +119,65 @@ def test_a_home_node_behind_a_nat_is_told_it_is_not_reachable(
     reach = lines["reachability"]
     assert reach.startswith("warn not reachable: 1 peers could not dial this node back"), reach
     assert f"seen as {lab.wan_ip(h)}:" in reach and "forward its listen port" in reach
+
+
+def _node(lab_prefix: list[str], name: str, run: Path, join: str, work: Path) -> Any:
+    return subprocess.Popen(
+        [
+            *lab_prefix,
+            *CLI,
+            "-v",
+            "node",
+            "--run",
+            str(run),
+            "--identity",
+            str(work / f"{name}.key"),
+            "--listen",
+            "/ip4/0.0.0.0/tcp/4010",
+            "--steps",
+            "40",
+            "--progress",
+            "jsonl",
+            "--log-every",
+            "5",
+            "--threads",
+            "1",
+            "--eval-batches",
+            "2",
+            "--wait-peers",
+            "1",
+            "--join-timeout-s",
+            "60",
+            "--join",
+            join,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=(work / f"{name}.err").open("w"),
+        text=True,
+    )
+
+
+def test_a_home_node_joins_through_the_bootstrap_and_trains_with_a_public_one(
+    swarm: tuple[NatLab, str, Path], local_swarm: Any
+) -> None:
+    """The home node (cone NAT) dials out; the public node answers on the connections
+    the home node opened. Both apply rounds together and know which of them is
+    reachable."""
+    lab, join, work = swarm
+    run = work / "home-run.toml"
+    run.write_text(local_swarm.manifest("home-run", total_steps=200))
+    procs = {
+        "public": _node(lab.public_prefix(1), "public", run, join, work),
+        "home": _node(lab.home_prefix(KINDS.index("cone")), "home", run, join, work),
+    }
+    summaries = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=400)
+        err = (work / f"{name}.err").read_text()
+        assert proc.returncode == 0, err[-3000:]
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        summaries[name] = next(x["summary"] for x in lines if "summary" in x)
+        assert summaries[name]["rounds_applied"] >= 1, err[-3000:]
+    assert summaries["public"]["info"]["reach"] == "public"
+    assert summaries["home"]["info"]["reach"] == "private"
+    assert "not reachable" in (work / "home.err").read_text()
