@@ -194,6 +194,10 @@ _RUN = {"max_len": RUN_ID_LEN}
 _DIGEST = {"max_len": MAX_DIGEST_LEN}
 
 
+REACHES = ("", "public", "private", "unknown")
+"""the values of :attr:`PeerRecord.reach`"""
+
+
 @wire_message(100)
 @dataclass(frozen=True, slots=True)
 class PeerRecord:
@@ -230,6 +234,11 @@ class PeerRecord:
     training: bool = True
     """False once its trainer stopped (the node settles or leaves): it still holds and
     serves its global copy, but joins no more groups, so it counts toward no quorum"""
+    reach: str = field(default="", metadata={"max_len": 16})
+    """whether peers can dial it (:mod:`~atoll.protocol.reachability`): ``public``,
+    ``private`` (behind a NAT or a firewall: it dials out only), ``unknown``, or empty
+    before its check. Self-reported: a peer that claims ``public`` falsely only fails its
+    own rounds; one that claims ``private`` is grouped with fewer peers"""
 
     def key(self) -> str:
         """The DHT key this record is stored under."""
@@ -454,6 +463,8 @@ def _digest_problem(name: str, digest: str, *, empty: bool) -> str | None:
 
 
 def _peer_problem(r: PeerRecord) -> str | None:
+    if r.reach not in REACHES:
+        return f"reach {_clip(r.reach)} is not one of {REACHES}"
     if r.tokens_per_s < 0:
         return f"tokens_per_s {r.tokens_per_s} is negative"
     if _AGENT.fullmatch(r.agent) is None:

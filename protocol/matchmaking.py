@@ -130,6 +130,13 @@ list (:attr:`GroupFormed.group`, a hash of the leader, a nonce of the attempt an
 and the round runs under that tag (:attr:`~atoll.protocol.allreduce.RoundKey.group`), so
 two groups of one slot never take each other's parts.
 
+Reach. Every member of a group connects to every other for the all-reduce, and a peer
+behind a NAT can dial out but cannot be dialed: two such peers cannot exchange parts,
+and a group holding both fails its round for all. With ``private`` (whether a peer, this
+one included, says in its record that it cannot be dialed) a leader takes at most one
+such peer, itself counted, and refuses another with an :data:`UNREACHABLE` Disband; the
+refused peer looks for another leader or ends alone, as after any refusal.
+
 ``declared_at`` and ``weight`` are informative (logs, future staleness rules) and never
 decide anything. The machine trusts the ``sender`` field of messages: the driver checks it
 against the authenticated transport peer. Time is passed in as ``now`` (any monotonic
@@ -142,7 +149,7 @@ import hashlib
 import itertools
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias, TypeGuard
 
@@ -180,6 +187,8 @@ MAX_REDIRECTS: int = 8
 """Most Redirects one peer follows in one slot; past that it gives up for the slot."""
 
 OUT_OF_STEP = "out of step"
+UNREACHABLE = "unreachable"
+"""the reason a leader refuses a peer that could not reach another member (see "Reach")"""
 """How a Disband for a step that does not fit begins (see "In step" above)."""
 
 PAST_SLOT = "slot closed: this node is at version"
@@ -547,6 +556,7 @@ class Matchmaker:
         step_period: int = 0,
         max_step_lag: int = 0,
         nonce: str = "",
+        private: Callable[[str], bool] | None = None,
     ) -> None:
         problem = _declaration_problem(me)
         if problem is not None:
@@ -565,6 +575,9 @@ class Matchmaker:
             raise ConfigError("step_period and max_step_lag must be integers, step_period >= 0")
         if not isinstance(nonce, str):
             raise ConfigError(f"nonce must be a str, not {type(nonce).__name__}")
+        self.private = private
+        """whether a peer (this one included) cannot be dialed (behind a NAT): a leader
+        takes at most one such peer into its group, itself counted (see "Reach")"""
         self.nonce = nonce
         """this attempt's own tag (the driver's random bytes), mixed into the group tag of
         a list this peer forms as leader"""
@@ -822,6 +835,19 @@ class Matchmaker:
         out.extend(self._decide(now))
         out.extend(self._release_held(now))
         return out
+
+    def _unreachable(self, sender: str) -> str | None:
+        """Why ``sender`` may not join this group for lack of a path between two of its
+        members, or None: both it and this leader, or it and a member already taken, are
+        behind NATs (neither can dial the other)."""
+        if self.private is None or sender in self._accepted or not self.private(sender):
+            return None
+        if self.private(self._id):
+            return "you and I are both behind a NAT"
+        other = next((m for m in self._accepted if self.private(m)), None)
+        if other is not None:
+            return f"you and {other} are both behind a NAT"
+        return None
 
     def _step_problem(self, step: object) -> str | None:
         """Why a peer that started its sync at ``step`` may not share this group, or None."""
@@ -1123,6 +1149,9 @@ class Matchmaker:
             self._ranks.setdefault(sender, r)
             return self._decide(now)
         self._ranks.setdefault(sender, r)
+        if self._state == "leading" and (why := self._unreachable(sender)) is not None:
+            self._excluded.add(sender)
+            return [self._disband(sender, f"{UNREACHABLE}: {why}")]
         if self._state == "leading":
             if sender not in self._accepted:
                 if not self._accepted:

@@ -95,6 +95,8 @@ class PeerTracker:
         banned: Callable[[str], bool] | None = None,
     ) -> None:
         self.me = me
+        self.own_reach = ""
+        """this node's reachability, once its dial-back check ended (see :meth:`private`)"""
         self.banned = banned
         """whether a peer is banned now (None: nobody is)"""
         self.beliefs = beliefs
@@ -189,6 +191,14 @@ class PeerTracker:
         while True:
             await self.probe_silent(probe)
             await trio.sleep(every_s)
+
+    def private(self, peer: str) -> bool:
+        """Whether ``peer`` (this node included, by :attr:`own_reach`) cannot be dialed:
+        its record says ``private`` (behind a NAT or a firewall)."""
+        if peer == self.me:
+            return self.own_reach == "private"
+        record = self.live.get(peer)
+        return record is not None and record.reach == "private"
 
     def trainers(self) -> list[str]:
         """The responsive peers still training (a node that settles at the end of its run

@@ -602,6 +602,7 @@ async def run_matchmaking(
     patience_s: float = 0.0,
     expected: Callable[[], Collection[str]] | None = None,
     banned: Callable[[str], bool] | None = None,
+    private: Callable[[str], bool] | None = None,
     outdated: Callable[[], str | None] | None = None,
     hold: Callable[[float], None] | None = None,
     step_period: int = 0,
@@ -626,7 +627,8 @@ async def run_matchmaking(
     dropped for silence is reported to it, and so is a failed send. ``expected``: the
     peers due at this slot (read at every DHT view); one that has not declared yet
     extends the matchmaker's deadline by ``patience_s`` (once; see
-    :class:`~atoll.protocol.matchmaking.Matchmaker`). ``banned``: the declarations of
+    :class:`~atoll.protocol.matchmaking.Matchmaker`). ``private``: whether a peer
+    cannot be dialed (the matchmaker's "Reach"). ``banned``: the declarations of
     banned peers are left out and their requests to join unanswered. ``outdated``: asked
     at every DHT view and every ``poll_s`` besides (the board may not answer); a reason
     once the state ``me`` declared lost to another, and the node then withdraws from the
@@ -667,6 +669,7 @@ async def run_matchmaking(
         step_period=step_period,
         max_step_lag=max_step_lag,
         nonce=secrets.token_hex(8),
+        private=private,
     )
     outcome: mm.Formed | mm.Alone | None = None
     mailbox.open(key, send_ch)

@@ -261,6 +261,7 @@ class _Node:
         """forms each fragment's group shortly before its sync (None: off)"""
         self._changes = 0  # commits and imports so far: a record is due after each
         self.training = True
+        self.reach = ""  # whether peers can dial this node: its dial-back check says
         """False once the trainer stopped (published in the record)"""
         self.publisher = RecordPublisher(dht, self._record, self._mark)
         self.status = NodeStatus(peer_id=host.peer_id, run_id=self.run_id)
@@ -277,6 +278,15 @@ class _Node:
         self.shared.global_(p)[:] = self.engine.global_params(p)
         self._changes += 1
         self.tally.changed(p, self.engine.version(p), self.engine.digest(p), how)
+
+    def reached(self, reach: str) -> None:
+        """This node's dial-back check ended with ``reach``: its record says so (the
+        next publication is due) and so does its status."""
+        if reach != self.reach:
+            self.reach = reach
+            self.peers.own_reach = reach
+            self._changes += 1
+        self.post(reach=reach)
 
     def _uncertified(self, peer: str, p: int, version: int) -> None:
         self.uncertified[peer] += 1
@@ -534,6 +544,7 @@ class _Node:
                 now,
                 now + RECORD_TTL_S,
                 self.training,
+                self.reach,
             )
 
         return await self.syncer.engine_call(build)
@@ -594,7 +605,7 @@ async def _check_reachability(
             logger.info("reachability: %s", e)
     found = reachability_verdict(replies, local_wall_s=arrived)
     (logger.warning if found.reach == "private" else logger.info)("%s", found.line())
-    node.post(reach=found.reach)
+    node.reached(found.reach)
 
 
 async def swarm_worker(

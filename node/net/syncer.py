@@ -1295,6 +1295,7 @@ class Syncer:
             stated=self._saw_step,
             step_period=self.engine.config.H,
             max_step_lag=MAX_STEP_LAG_SYNCS * self.engine.config.H,
+            private=self.peers.private,
         )
         came = found.members if isinstance(found, mm.Formed) else ()
         self._probe_absent(me, seen, came)

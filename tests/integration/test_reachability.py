@@ -7,6 +7,7 @@ processes in network namespaces; skipped, with the reason, where the lab cannot 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -121,7 +122,9 @@ def test_a_home_node_behind_a_nat_is_told_it_is_not_reachable(
     assert f"seen as {lab.wan_ip(h)}:" in reach and "forward its listen port" in reach
 
 
-def _node(lab_prefix: list[str], name: str, run: Path, join: str, work: Path) -> Any:
+def _node(
+    lab_prefix: list[str], name: str, run: Path, join: str, work: Path, wait_peers: int = 1
+) -> Any:
     return subprocess.Popen(
         [
             *lab_prefix,
@@ -145,7 +148,7 @@ def _node(lab_prefix: list[str], name: str, run: Path, join: str, work: Path) ->
             "--eval-batches",
             "2",
             "--wait-peers",
-            "1",
+            str(wait_peers),
             "--join-timeout-s",
             "60",
             "--join",
@@ -166,10 +169,20 @@ def test_a_home_node_joins_through_the_bootstrap_and_trains_with_a_public_one(
     lab, join, work = swarm
     run = work / "home-run.toml"
     run.write_text(local_swarm.manifest("home-run", total_steps=200))
-    procs = {
-        "public": _node(lab.public_prefix(1), "public", run, join, work),
-        "home": _node(lab.home_prefix(KINDS.index("cone")), "home", run, join, work),
-    }
+    summaries = _train(
+        {
+            "public": _node(lab.public_prefix(1), "public", run, join, work),
+            "home": _node(lab.home_prefix(KINDS.index("cone")), "home", run, join, work),
+        },
+        work,
+    )
+    assert summaries["public"]["info"]["reach"] == "public"
+    assert summaries["home"]["info"]["reach"] == "private"
+    assert "not reachable" in (work / "home.err").read_text()
+
+
+def _train(procs: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Wait for every node to end; their summaries, each with a round applied."""
     summaries = {}
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=400)
@@ -178,6 +191,36 @@ def test_a_home_node_joins_through_the_bootstrap_and_trains_with_a_public_one(
         lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         summaries[name] = next(x["summary"] for x in lines if "summary" in x)
         assert summaries[name]["rounds_applied"] >= 1, err[-3000:]
-    assert summaries["public"]["info"]["reach"] == "public"
-    assert summaries["home"]["info"]["reach"] == "private"
-    assert "not reachable" in (work / "home.err").read_text()
+    return summaries
+
+
+def test_two_home_nodes_are_never_grouped_together(
+    swarm: tuple[NatLab, str, Path], local_swarm: Any
+) -> None:
+    """Two home nodes (behind a cone and a symmetric NAT) cannot dial each other: a
+    group holding both would fail its round for all its members. Each home node is
+    grouped with the public node only, and each applies rounds."""
+    lab, join, work = swarm
+    run = work / "two-homes.toml"
+    run.write_text(local_swarm.manifest("two-homes", total_steps=200))
+    summaries = _train(
+        {
+            "public2": _node(lab.public_prefix(1), "public2", run, join, work, 2),
+            "cone": _node(lab.home_prefix(KINDS.index("cone")), "cone", run, join, work, 2),
+            "sym": _node(lab.home_prefix(KINDS.index("symmetric")), "sym", run, join, work, 2),
+        },
+        work,
+    )
+    assert {summaries[n]["info"]["reach"] for n in ("cone", "sym")} == {"private"}
+    # the logs name each applied round's members by the last 6 characters of their ids
+    homes = {summaries[n]["info"]["peer_id"][-6:] for n in ("cone", "sym")}
+    groups = [g for n in summaries for g in _members(work / f"{n}.err")]
+    assert not [g for g in groups if homes <= g], groups
+
+
+def _members(err: Path) -> list[set[str]]:
+    """The members of every round the node's log says it applied."""
+    return [
+        set(m.group(1).split(", "))
+        for m in re.finditer(r": applied;.*?; members: ([^;]+);", err.read_text())
+    ]

@@ -356,6 +356,12 @@ def test_ready_and_state_records_round_trip(record: Record) -> None:
     assert roundtrip(record) == record
 
 
+@pytest.mark.parametrize("reach", ["", "public", "private", "unknown"])
+def test_a_peer_record_says_whether_it_can_be_dialed(reach: str) -> None:
+    record = peer_record(reach=reach)
+    assert roundtrip(record) == record
+
+
 def test_ready_records_carry_a_declaration() -> None:
     d = Declaration(RUN, 2, 11, BOB, 6, DIGEST, 99.5, T0 - 1)
     record = ReadyRecord.from_declaration(d, issued_at=T0, expires_at=T0 + 30)
@@ -394,6 +400,7 @@ def test_validate_accepts_the_edges_of_time() -> None:
         (peer_record(serving=1), T0, "malformed", "expected bool"),
         (ready_record(slot=MAX_SLOT + 1), T0, "malformed", "slot"),
         (ready_record(weight=-2.0), T0, "malformed", "weight"),
+        (peer_record(reach="everywhere"), T0, "malformed", "reach"),
         (state_record(digest=""), T0, "malformed", "digest is empty"),
         (state_record(fragment=MAX_FRAGMENT + 1), T0, "malformed", "fragment"),
     ],

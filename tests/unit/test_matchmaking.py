@@ -1321,3 +1321,49 @@ def test_two_attempts_at_one_slot_by_the_same_members_name_two_groups() -> None:
         assert isinstance(done, Formed)
         tags.append(done.key.group)
     assert len(set(tags)) == 2 and all(len(t) == 32 for t in tags)
+
+
+def _reach_leader(lead: str, private: set[str]) -> Matchmaker:
+    m = Matchmaker(
+        decl(lead),
+        GroupSettings(min_quorum=2, max_size=8, grace_s=5.0),
+        now=0.0,
+        timeout=TIMEOUT,
+        private=lambda p: p in private,
+    )
+    return m
+
+
+def test_a_leader_takes_at_most_one_peer_behind_a_nat() -> None:
+    """Two peers behind NATs cannot dial each other: a public leader takes the first one
+    and refuses the second (unreachable); public peers still join."""
+    lead, a, b, c = by_rank(peers(4))
+    m = _reach_leader(lead, {a, b})
+    m.observe([decl(lead), decl(a), decl(b), decl(c)], now=0.0)
+    assert m.state == "leading"
+    assert [type(x) for _, x in sends(m.receive(request(decl(a)), now=0.1))] == [JoinAccept]
+    [(to, refusal)] = sends(m.receive(request(decl(b)), now=0.2))
+    assert to == b and isinstance(refusal, Disband)
+    assert refusal.reason == f"unreachable: you and {a} are both behind a NAT"
+    assert [type(x) for _, x in sends(m.receive(request(decl(c)), now=0.3))] == [JoinAccept]
+    [formed] = outcome(m.tick(10.0))
+    assert isinstance(formed, Formed) and set(formed.members) == {lead, a, c}
+
+
+def test_a_leader_behind_a_nat_takes_only_public_peers() -> None:
+    lead, a, b = by_rank(peers(3))
+    m = _reach_leader(lead, {lead, a})
+    m.observe([decl(lead), decl(a), decl(b)], now=0.0)
+    [(_, refusal)] = sends(m.receive(request(decl(a)), now=0.1))
+    assert isinstance(refusal, Disband) and "you and I are both behind a NAT" in refusal.reason
+    assert [type(x) for _, x in sends(m.receive(request(decl(b)), now=0.2))] == [JoinAccept]
+    [formed] = outcome(m.tick(10.0))
+    assert isinstance(formed, Formed) and set(formed.members) == {lead, b}
+
+
+def test_without_reach_every_peer_is_taken_as_before() -> None:
+    lead, a, b = by_rank(peers(3))
+    m = Matchmaker(decl(lead), GroupSettings(2, 8, 5.0), now=0.0, timeout=TIMEOUT)
+    m.observe([decl(lead), decl(a), decl(b)], now=0.0)
+    for p in (a, b):
+        assert [type(x) for _, x in sends(m.receive(request(decl(p)), now=0.1))] == [JoinAccept]
