@@ -188,7 +188,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, cast
 
-import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream, IPeerStore
 from libp2p.custom_types import StreamHandlerFn, TProtocol
@@ -196,7 +195,7 @@ from libp2p.host.exceptions import StreamFailure
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import PeerStoreError
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.records.validator import NamespacedValidator, Validator
@@ -219,6 +218,7 @@ from atoll.dht.keys import (
     ready_topic,
 )
 from atoll.dht.libp2p_internals import LIBRARY_PROTOCOL
+from atoll.dht.peeraddr import parse_peer_addr
 from atoll.dht.quorum import Reply, Tally
 from atoll.dht.records import (
     DEFAULT_MAX_SKEW_S,
@@ -846,13 +846,7 @@ class AtollDHT:
         """
         infos: list[PeerInfo] = []
         for addr in addrs:
-            try:
-                info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-            except Exception as e:  # multiaddr raises a zoo of types on bad text
-                raise ConfigError(
-                    f"{addr!r} is not a peer address like /ip4/1.2.3.4/tcp/4001/p2p/12D3KooW...:"
-                    f" {e}"
-                ) from None
+            info = parse_peer_addr(addr)
             if info.peer_id != self._host.get_id():
                 infos.append(info)
         answered = 0

@@ -20,16 +20,15 @@ import logging
 from typing import Any
 
 import msgpack
-import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
-from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from atoll.dht.directory import Clock
 from atoll.dht.keys import PeerKey, parse_key
+from atoll.dht.peeraddr import parse_peer_addr
 from atoll.dht.records import PeerRecord, RecordVerifier, RejectedRecord, decode_value
-from atoll.protocol.errors import CodecError, ConfigError, ExchangeTimeout, PeerUnavailable
+from atoll.protocol.errors import CodecError, ExchangeTimeout, PeerUnavailable
 
 __all__ = ["MAX_ANSWER_BYTES", "MAX_RECORDS", "STATUS_PROTOCOL", "fetch_status", "serve_status"]
 
@@ -87,12 +86,7 @@ async def fetch_status(
     cannot be reached or does not serve the status protocol, ExchangeTimeout when the
     answer takes over ``timeout_s``.
     """
-    try:
-        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-    except Exception as e:
-        raise ConfigError(
-            f"{addr!r} is not a peer address (/ip4/.../tcp/.../p2p/...): {e}"
-        ) from None
+    info = parse_peer_addr(addr)
     chunks: list[bytes] = []
     with trio.move_on_after(timeout_s) as scope:
         try:

@@ -26,13 +26,12 @@ import secrets
 import struct
 from collections.abc import Callable, Sequence
 
-import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
-from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from atoll.protocol.errors import CodecError, ConfigError, ExchangeTimeout, PeerUnavailable
+from atoll.dht.peeraddr import parse_peer_addr
+from atoll.protocol.errors import CodecError, ExchangeTimeout, PeerUnavailable
 from atoll.protocol.messages import decode_message, encode_message
 from atoll.protocol.reachability import MAX_PORTS, DialBackReply, DialBackRequest, dialable
 
@@ -159,12 +158,7 @@ async def ask_dialback(
     cannot be reached, does not serve the protocol or answers nonsense, ExchangeTimeout
     when it does not answer within ``timeout_s``.
     """
-    try:
-        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-    except Exception as e:
-        raise ConfigError(
-            f"{addr!r} is not a peer address (/ip4/.../tcp/.../p2p/...): {e}"
-        ) from None
+    info = parse_peer_addr(addr)
     request = DialBackRequest(secrets.token_bytes(16), tuple(ports)[:MAX_PORTS])
     reply: object = None
     stream: INetStream | None = None

@@ -113,11 +113,12 @@ from libp2p.host.basic_host import BasicHost
 from libp2p.network.config import ConnectionConfig
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
+from atoll.dht.peeraddr import parse_peer_addr
 from atoll.node.net import libp2p_internals
 from atoll.node.net.transport import (
     DEFAULT_FRAME_BUDGET_BYTES,
@@ -424,12 +425,7 @@ class AtollHost:
         retryable) when it serves another run or protocol version, ``ConfigError`` on a
         malformed address, and ``CodecError`` when it answers with something not a Hello.
         """
-        try:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-        except Exception as e:  # multiaddr raises a zoo of types on bad text
-            raise ConfigError(
-                f"{addr!r} is not a peer address like /ip4/1.2.3.4/tcp/4001/p2p/12D3KooW...: {e}"
-            ) from None
+        info = parse_peer_addr(addr)
         peer = str(info.peer_id)
         if peer == self._peer_id:
             raise ConfigError(f"{addr} is this node's own address")
