@@ -185,9 +185,14 @@ class LocalSwarm:
         wait_peers: int = 0,
         env: dict[str, str] | None = None,
         extra: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
+        listen: str = "/ip4/127.0.0.1/tcp/0",
     ) -> NodeProc:
+        """An ``atoll node`` process; ``prefix`` runs it inside a network namespace (a
+        lab's ``ip netns exec ...``), listening on ``listen``."""
         err = self.tmp / f"{name}.err"
         args = [
+            *prefix,
             *CLI,
             "-v",
             "node",
@@ -196,7 +201,7 @@ class LocalSwarm:
             "--identity",
             str(self.tmp / f"{name}.key"),
             "--listen",
-            "/ip4/127.0.0.1/tcp/0",
+            listen,
             "--steps",
             str(steps),
             "--progress",

@@ -6,7 +6,6 @@ processes in network namespaces; skipped, with the reason, where the lab cannot 
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -123,40 +122,17 @@ def test_a_home_node_behind_a_nat_is_told_it_is_not_reachable(
 
 
 def _node(
-    lab_prefix: list[str], name: str, run: Path, join: str, work: Path, wait_peers: int = 1
+    local_swarm: Any, where: list[str], name: str, run: Path, join: str, wait_peers: int = 1
 ) -> Any:
-    return subprocess.Popen(
-        [
-            *lab_prefix,
-            *CLI,
-            "-v",
-            "node",
-            "--run",
-            str(run),
-            "--identity",
-            str(work / f"{name}.key"),
-            "--listen",
-            "/ip4/0.0.0.0/tcp/4010",
-            "--steps",
-            "40",
-            "--progress",
-            "jsonl",
-            "--log-every",
-            "5",
-            "--threads",
-            "1",
-            "--eval-batches",
-            "2",
-            "--wait-peers",
-            str(wait_peers),
-            "--join-timeout-s",
-            "60",
-            "--join",
-            join,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=(work / f"{name}.err").open("w"),
-        text=True,
+    """An ``atoll node`` in the lab namespace of command prefix ``where``."""
+    return local_swarm.start_node(
+        name,
+        run,
+        steps=40,
+        join=[join],
+        wait_peers=wait_peers,
+        prefix=tuple(where),
+        listen="/ip4/0.0.0.0/tcp/4010",
     )
 
 
@@ -169,29 +145,22 @@ def test_a_home_node_joins_through_the_bootstrap_and_trains_with_a_public_one(
     lab, join, work = swarm
     run = work / "home-run.toml"
     run.write_text(local_swarm.manifest("home-run", total_steps=200))
-    summaries = _train(
-        {
-            "public": _node(lab.public_prefix(1), "public", run, join, work),
-            "home": _node(lab.home_prefix(KINDS.index("cone")), "home", run, join, work),
-        },
-        work,
-    )
+    nodes = {
+        "public": _node(local_swarm, lab.public_prefix(1), "public", run, join),
+        "home": _node(local_swarm, lab.home_prefix(KINDS.index("cone")), "home", run, join),
+    }
+    summaries = _train(nodes)
     assert summaries["public"]["info"]["reach"] == "public"
     assert summaries["home"]["info"]["reach"] == "private"
-    assert "not reachable" in (work / "home.err").read_text()
+    assert "not reachable" in nodes["home"].stderr()
 
 
-def _train(procs: dict[str, Any], work: Path) -> dict[str, Any]:
+def _train(nodes: dict[str, Any]) -> dict[str, Any]:
     """Wait for every node to end; their summaries, each with a round applied."""
-    summaries = {}
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=400)
-        err = (work / f"{name}.err").read_text()
-        assert proc.returncode == 0, err[-3000:]
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        summaries[name] = next(x["summary"] for x in lines if "summary" in x)
-        assert summaries[name]["rounds_applied"] >= 1, err[-3000:]
-    return summaries
+    for node in nodes.values():
+        assert node.wait(400) == 0, node.tail(60)
+        assert node.info()["rounds_applied"] >= 1, node.tail(60)
+    return {name: node.summary for name, node in nodes.items()}
 
 
 def test_two_home_nodes_are_never_grouped_together(
@@ -203,24 +172,22 @@ def test_two_home_nodes_are_never_grouped_together(
     lab, join, work = swarm
     run = work / "two-homes.toml"
     run.write_text(local_swarm.manifest("two-homes", total_steps=200))
-    summaries = _train(
-        {
-            "public2": _node(lab.public_prefix(1), "public2", run, join, work, 2),
-            "cone": _node(lab.home_prefix(KINDS.index("cone")), "cone", run, join, work, 2),
-            "sym": _node(lab.home_prefix(KINDS.index("symmetric")), "sym", run, join, work, 2),
-        },
-        work,
-    )
+    where = {
+        "public2": lab.public_prefix(1),
+        "cone": lab.home_prefix(KINDS.index("cone")),
+        "sym": lab.home_prefix(KINDS.index("symmetric")),
+    }
+    nodes = {name: _node(local_swarm, w, name, run, join, 2) for name, w in where.items()}
+    summaries = _train(nodes)
     assert {summaries[n]["info"]["reach"] for n in ("cone", "sym")} == {"private"}
     # the logs name each applied round's members by the last 6 characters of their ids
     homes = {summaries[n]["info"]["peer_id"][-6:] for n in ("cone", "sym")}
-    groups = [g for n in summaries for g in _members(work / f"{n}.err")]
+    groups = [g for node in nodes.values() for g in _members(node.stderr())]
     assert not [g for g in groups if homes <= g], groups
 
 
-def _members(err: Path) -> list[set[str]]:
-    """The members of every round the node's log says it applied."""
+def _members(log: str) -> list[set[str]]:
+    """The members of every round a node's log says it applied."""
     return [
-        set(m.group(1).split(", "))
-        for m in re.finditer(r": applied;.*?; members: ([^;]+);", err.read_text())
+        set(m.group(1).split(", ")) for m in re.finditer(r": applied;.*?; members: ([^;]+);", log)
     ]
