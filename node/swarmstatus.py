@@ -89,12 +89,14 @@ def format_view(view: SwarmView, *, run_id: str | None = None, run_name: str = "
         name = f" ({run_name})" if run_name and rid == run_id else ""
         lines.append(f"\nrun {rid[:16]}{name}: {len(records)} peer(s)")
         lines.append(
-            f"  {'peer':<20}{'tok/s':>9}{'age s':>7}  {'versions':<22}{'agent':<16}addresses"
+            f"  {'peer':<20}{'tok/s':>9}{'age s':>7}  {'versions':<22}{'reach':<9}{'agent':<16}"
+            "addresses"
         )
         for r in records:
             versions = ",".join(str(v) for v in r.versions) or "-"
             lines.append(
                 f"  {r.peer_id[:8] + '..' + r.peer_id[-8:]:<20}{r.tokens_per_s:>9.0f}"
-                f"{now - r.issued_at:>7.0f}  {versions:<22}{r.agent:<16}{' '.join(r.addrs)}"
+                f"{now - r.issued_at:>7.0f}  {versions:<22}{r.reach or '-':<9}{r.agent:<16}"
+                f"{' '.join(r.addrs)}"
             )
     return "\n".join(lines)
