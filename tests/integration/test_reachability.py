@@ -167,8 +167,9 @@ def test_two_home_nodes_are_never_grouped_together(
     swarm: tuple[NatLab, str, Path], local_swarm: Any
 ) -> None:
     """Two home nodes (behind a cone and a symmetric NAT) cannot dial each other: a
-    group holding both would fail its round for all its members. Each home node is
-    grouped with the public node only, and each applies rounds."""
+    group holding both would fail its round for all its members. A home node is grouped
+    with the public node only. Which home node gets the public one at a slot is first
+    come: idle, each applied 5-6 rounds in 40 steps; on a busy machine one got all."""
     lab, join, work = swarm
     run = work / "two-homes.toml"
     run.write_text(local_swarm.manifest("two-homes", total_steps=200))
@@ -178,7 +179,11 @@ def test_two_home_nodes_are_never_grouped_together(
         "sym": lab.home_prefix(KINDS.index("symmetric")),
     }
     nodes = {name: _node(local_swarm, w, name, run, join, 2) for name, w in where.items()}
-    summaries = _train(nodes)
+    for node in nodes.values():
+        assert node.wait(400) == 0, node.tail(60)
+    summaries = {name: node.summary for name, node in nodes.items()}
+    assert summaries["public2"]["info"]["rounds_applied"] >= 1, nodes["public2"].tail(60)
+    assert max(summaries[n]["info"]["rounds_applied"] for n in ("cone", "sym")) >= 1
     assert {summaries[n]["info"]["reach"] for n in ("cone", "sym")} == {"private"}
     # the logs name each applied round's members by the last 6 characters of their ids
     homes = {summaries[n]["info"]["peer_id"][-6:] for n in ("cone", "sym")}
