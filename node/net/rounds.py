@@ -123,19 +123,13 @@ def _withdrawn_dropped(items: Sequence[tuple[str, object]]) -> list[tuple[str, o
     """``items`` (a slot's held messages, in arrival order) less each JoinRequest that a
     later Disband of the same sender and step withdrew, and that Disband: the requester
     had no answer in time and looked elsewhere (a peer half a period out of phase asks
-    a slot several seconds before this node opens it). Only a Disband that names no
-    step of ours (``for_step`` -1: its sender never heard from this node) withdraws; one
-    that answers a request of ours refuses it and is delivered."""
+    a slot several seconds before this node opens it)."""
     asked: dict[tuple[str, int], int] = {}
     gone: set[int] = set()
     for i, (sender, msg) in enumerate(items):
         if isinstance(msg, mm.JoinRequest):
             asked[(sender, msg.step)] = i
-        elif (
-            isinstance(msg, mm.Disband)
-            and msg.for_step == -1  # it never heard from us: a withdrawal, not a refusal
-            and (j := asked.pop((sender, msg.step), None)) is not None
-        ):
+        elif isinstance(msg, mm.Disband) and (j := asked.pop((sender, msg.step), None)) is not None:
             gone.update((i, j))
     return [item for i, item in enumerate(items) if i not in gone]
 
