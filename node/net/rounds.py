@@ -16,10 +16,7 @@ network process:
   dropped (the machines trust that field). Messages for a round this node has not opened
   yet (a peer formed its group a moment earlier) are held, bounded in count and bytes,
   for :attr:`Mailbox.hold_s`; messages for a round that just closed are dropped (those
-  of a matchmaking slot are held: a slot is tried again after a failed round). A join
-  request that its sender withdrew (its Disband of the same attempt came after it) is
-  not delivered when the slot opens: a leader that took it would form a group with a
-  peer that looks elsewhere, and wait out the round for its parts.
+  of a matchmaking slot are held: a slot is tried again after a failed round).
 - :func:`run_matchmaking`: publish the declaration in the DHT, poll the DHT view of the
   slot, and run the Matchmaker until it is Formed or Alone.
 - :func:`run_allreduce`: run one AllReduceRound; sends to different peers go out in
@@ -119,21 +116,6 @@ def _is_slot(key: Key) -> bool:
     return isinstance(key, tuple) and bool(key) and key[0] == "mm"
 
 
-def _withdrawn_dropped(items: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
-    """``items`` (a slot's held messages, in arrival order) less each JoinRequest that a
-    later Disband of the same sender and step withdrew, and that Disband: the requester
-    had no answer in time and looked elsewhere (a peer half a period out of phase asks
-    a slot several seconds before this node opens it)."""
-    asked: dict[tuple[str, int], int] = {}
-    gone: set[int] = set()
-    for i, (sender, msg) in enumerate(items):
-        if isinstance(msg, mm.JoinRequest):
-            asked[(sender, msg.step)] = i
-        elif isinstance(msg, mm.Disband) and (j := asked.pop((sender, msg.step), None)) is not None:
-            gone.update((i, j))
-    return [item for i, item in enumerate(items) if i not in gone]
-
-
 def _size(msg: object) -> int:
     payload = getattr(msg, "payload", b"")
     size = 256 + (len(payload) if isinstance(payload, bytes) else 0)
@@ -224,8 +206,7 @@ class Mailbox:
         held = self._held.pop(key, None)
         if held is not None:
             self._release(held)
-            items = _withdrawn_dropped(held.items) if _is_slot(key) else held.items
-            for sender, msg in items:
+            for sender, msg in held.items:
                 self._deliver(key, channel, sender, msg)
 
     def close(self, key: Key, channel: trio.MemorySendChannel[Event] | None = None) -> None:

@@ -192,32 +192,6 @@ def test_a_request_for_a_slot_between_two_attempts_is_held_for_the_next() -> Non
     _run(main)
 
 
-def test_a_held_request_its_sender_withdrew_is_not_delivered() -> None:
-    """peer-a asked a slot this node had not opened, had no answer in time and withdrew
-    (its Disband of the same attempt): when the slot opens, neither is delivered, so the
-    node does not form a group with a peer that looks elsewhere. peer-a's next attempt
-    (a later step) and peer-b's request still are."""
-
-    async def main() -> None:
-        box = _mailbox(hold_s=30.0)
-        first = _join("peer-a", step=23)
-        gone = mm.Disband("peer-a", "run", 1, 9, 3, "d" * 32, "no answer from you", 23)
-        other = _join("peer-b", step=23)
-        again = _join("peer-a", step=35)
-        async with trio.open_nursery() as nursery:
-            for msg in (first, other, gone, again):
-                box.route(msg.sender, msg, nursery)
-            send, recv = trio.open_memory_channel[Any](10)
-            box.open(MM_KEY, send)
-            assert _drain(recv) == [("msg", other), ("msg", again)]
-            # an open slot gets the withdrawal as it comes: the machine handles it
-            box.route("peer-b", mm.Disband("peer-b", "run", 1, 9, 3, "d" * 32, "bye", 23), nursery)
-            assert len(_drain(recv)) == 1
-        assert box.held_by("peer-a") == (0, 0) and box.dropped == 0
-
-    _run(main)
-
-
 def test_reopening_a_closed_key_delivers_again() -> None:
     async def main() -> None:
         box = _mailbox(closed_s=5.0)
