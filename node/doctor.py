@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -84,56 +85,53 @@ def check_disk(folder: Path) -> Check:
 async def _network(
     listen: str, joins: Sequence[str], timeout_s: float
 ) -> tuple[Check, list[Check]]:
-    from atoll.node.net.dialback import ask_dialback
     from atoll.node.net.host import HostConfig, open_libp2p_host
     from atoll.security.identity import generate
 
     config = HostConfig(listen=(listen,), dial_timeout_s=timeout_s)
     try:
-        cm = open_libp2p_host(generate(), config)
-        host = await cm.__aenter__()
-    except (AtollError, OSError) as e:
+        async with open_libp2p_host(generate(), config) as host:
+            return await _ask(host, listen, joins, timeout_s)
+    except (AtollError, OSError) as e:  # the per-peer questions catch their own errors
         return Check("port", "fail", f"cannot listen on {listen}: {e}"), []
-    try:
-        ports = sorted({int(a.value_for_protocol("tcp")) for a in host.get_addrs()})
-        port = Check("port", "ok", f"listening on {listen} (port {', '.join(map(str, ports))})")
-        if not joins:
-            skipped = "no --join address to ask"
-            return port, [
-                Check("reachability", "skip", skipped),
-                Check("clock", "skip", skipped),
-            ]
-        replies: list[DialBackReply] = []
-        arrived: list[float] = []
-        problems: list[str] = []
-        for addr in joins:
-            try:
-                replies.append(await ask_dialback(host, addr, ports, timeout_s=timeout_s))
-                arrived.append(time.time())
-            except AtollError as e:
-                problems.append(str(e))
-        found = verdict(replies, local_wall_s=arrived)
-        extra = f" ({'; '.join(problems)})" if problems else ""
-        if found.reach == "public":
-            reach = Check("reachability", "ok", found.line() + extra)
-        elif found.reach == "private":
-            reach = Check("reachability", "warn", found.line() + extra)
-        else:
-            reach = Check("reachability", "fail", found.line() + extra)
-        if found.skew_s is None:
-            clock = Check("clock", "skip", "no peer answered")
-        elif abs(found.skew_s) > MAX_SKEW_S:
-            clock = Check(
-                "clock",
-                "warn",
-                f"{found.skew_s:+.1f} s off the peers' clocks: records expire on wall time;"
-                " turn on time synchronisation (NTP)",
-            )
-        else:
-            clock = Check("clock", "ok", f"{found.skew_s:+.2f} s from the peers' clocks")
-        return port, [reach, clock]
-    finally:
-        await cm.__aexit__(None, None, None)
+
+
+async def _ask(
+    host: Any, listen: str, joins: Sequence[str], timeout_s: float
+) -> tuple[Check, list[Check]]:
+    """The port, reachability and clock checks, once ``host`` listens."""
+    from atoll.node.net.dialback import ask_dialback, listen_ports
+
+    ports = listen_ports(str(a) for a in host.get_addrs())
+    port = Check("port", "ok", f"listening on {listen} (port {', '.join(map(str, ports))})")
+    if not joins:
+        skipped = "no --join address to ask"
+        return port, [Check("reachability", "skip", skipped), Check("clock", "skip", skipped)]
+    replies: list[DialBackReply] = []
+    arrived: list[float] = []
+    problems: list[str] = []
+    for addr in joins:
+        try:
+            replies.append(await ask_dialback(host, addr, ports, timeout_s=timeout_s))
+            arrived.append(time.time())
+        except AtollError as e:
+            problems.append(str(e))
+    found = verdict(replies, local_wall_s=arrived)
+    extra = f" ({'; '.join(problems)})" if problems else ""
+    level = {"public": "ok", "private": "warn"}.get(found.reach, "fail")
+    reach = Check("reachability", level, found.line() + extra)
+    if found.skew_s is None:
+        clock = Check("clock", "skip", "no peer answered")
+    elif abs(found.skew_s) > MAX_SKEW_S:
+        clock = Check(
+            "clock",
+            "warn",
+            f"{found.skew_s:+.1f} s off the peers' clocks: records expire on wall time;"
+            " turn on time synchronisation (NTP)",
+        )
+    else:
+        clock = Check("clock", "ok", f"{found.skew_s:+.2f} s from the peers' clocks")
+    return port, [reach, clock]
 
 
 def run_doctor(

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import secrets
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -35,7 +35,13 @@ from atoll.protocol.errors import CodecError, ExchangeTimeout, PeerUnavailable
 from atoll.protocol.messages import decode_message, encode_message
 from atoll.protocol.reachability import MAX_PORTS, DialBackReply, DialBackRequest, dialable
 
-__all__ = ["DIALBACK_PROTOCOL", "MAX_CONCURRENT", "ask_dialback", "serve_dialback"]
+__all__ = [
+    "DIALBACK_PROTOCOL",
+    "MAX_CONCURRENT",
+    "ask_dialback",
+    "listen_ports",
+    "serve_dialback",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,17 @@ MAX_FRAME = 1024
 GREETING = b"/multistream/1.0.0\n"
 """what a libp2p listener sends first on a new connection (after a varint length)"""
 _LEN = struct.Struct(">H")
+
+
+def listen_ports(addrs: Iterable[str]) -> list[int]:
+    """The TCP ports of multiaddrs ``addrs`` (``/ip4/.../tcp/4001/...``), sorted, once each."""
+    ports = set()
+    for addr in addrs:
+        parts = addr.split("/")
+        if "tcp" in parts and parts.index("tcp") + 1 < len(parts):
+            with contextlib.suppress(ValueError):
+                ports.add(int(parts[parts.index("tcp") + 1]))
+    return sorted(ports)
 
 
 def _frame(msg: object) -> bytes:

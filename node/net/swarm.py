@@ -78,7 +78,7 @@ from atoll.node.net.bridge import (
     serve,
 )
 from atoll.node.net.certwatch import watch_certificates
-from atoll.node.net.dialback import ask_dialback, serve_dialback
+from atoll.node.net.dialback import ask_dialback, listen_ports, serve_dialback
 from atoll.node.net.faults import parse_fault
 from atoll.node.net.host import AGENT, AtollHost, HostConfig, open_host
 from atoll.node.net.join import JoinFailed, join_swarm
@@ -592,9 +592,7 @@ async def _check_reachability(
 ) -> None:
     """Ask the ``--join`` peers to dial this node back (:mod:`~atoll.node.net.dialback`);
     log the verdict in one line and post it in the status (``reach``)."""
-    ports = sorted(
-        {int(a.split("/tcp/", 1)[1].split("/", 1)[0]) for a in host.addrs if "/tcp/" in a}
-    )
+    ports = listen_ports(host.addrs)
     replies: list[DialBackReply] = []
     arrived: list[float] = []
     for addr in joins[:MAX_DIALBACK_ASKED]:
