@@ -511,6 +511,8 @@ class _Node:
                     ):
                         self.attester.restore(att, own_raw)
                         raw.append(own_raw)
+                        # a member of the round that made it: its weight is capped as such
+                        self.syncer.remember_made(p, att.version, att.members)
             if raw and self.beliefs.offer(p, version, digest, raw, now=trio.current_time()):
                 certified += 1
         return certified

@@ -105,7 +105,7 @@ import functools
 import logging
 import math
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -942,7 +942,7 @@ class Syncer:
                     held = await self.engine_call(self._held_before, machine.fragment)
                 action = await self.engine_call(machine.reduced, result, holdings)
                 if machine.round_status == "applied":
-                    self._made[machine.fragment] = (action_round + 1, frozenset(members))
+                    self.remember_made(machine.fragment, action_round + 1, members)
                 if held is not None and machine.round_status == "applied":
                     self._previous[machine.fragment] = held
                     beliefs = self.peers.beliefs
@@ -1183,6 +1183,15 @@ class Syncer:
             await self.transport.send(peer, msg)
         except AtollError as e:
             logger.debug("telling %s failed: %s", peer, e)
+
+    def remember_made(self, fragment: int, version: int, members: Iterable[str]) -> None:
+        """This node applied the round of ``members`` that made ``fragment``'s
+        ``version``: in the next round at that version their weights, this node's own
+        among them, are capped by :func:`~atoll.protocol.sync.recent_member_cap`. A node
+        resumed from a checkpoint says it again from its own attestation of the state it
+        holds: its groupmates of that round cap its weight by the same rule, and a weight
+        it did not clip would fail every round it joins."""
+        self._made[fragment] = (int(version), frozenset(members))
 
     def _recent_caps(self, machine: fs.FragmentSync) -> dict[str, float]:
         """The weight caps of the members of the round that made the version ``machine``'s

@@ -109,6 +109,9 @@ class Node:
     """the peers this node reported for an uncertified declaration"""
     attester: AttestationPublisher | None = None
     """keeps this node's sealed attestations (and publishes them on the board)"""
+    restart: Callable[[], None] | None = None
+    """gives this node a fresh syncer on the same engine, attester and mailbox: what a
+    node resumed from a checkpoint of its state and seals starts with"""
 
     def state(self) -> tuple[int, str]:
         return self.engine.version(0), self.engine.digest(0)
@@ -158,6 +161,7 @@ async def _node(
     group: GroupSettings = GROUP,
     robust: RobustSettings | None = None,
     probes: bool = False,
+    weight_cap: float = math.inf,
 ) -> Node:
     engine = OuterEngine(_config(codec), Schedule(4, 1), [initial])
     transport = net.transport(peer)
@@ -205,26 +209,34 @@ async def _node(
         return True
 
     mailbox = Mailbox(transport, on_request=on_request, hold_s=TIMEOUTS.round_s, liveness=liveness)
-    syncer = Syncer(
-        transport=transport,
-        mailbox=mailbox,
-        board=board,
-        engine=engine,
-        peers=tracker,
-        run_id=RUN,
-        timeouts=TIMEOUTS,
-        wall=net.wall,
-        on_change=lambda p, how: node.changes.append((p, how)),
-        background=services,
-        offload=inline,  # a worker thread would let the fake clock jump meanwhile
-        attestations=board,
-        attest=attester.submit,
-        attested=attester.sealed_for,
-        robust=robust,
-        probe=probe if probes else None,
-    )
-    holder.append(syncer)
-    node.syncer = syncer
+
+    def make_syncer() -> Syncer:
+        return Syncer(
+            transport=transport,
+            mailbox=mailbox,
+            board=board,
+            engine=engine,
+            peers=tracker,
+            run_id=RUN,
+            timeouts=TIMEOUTS,
+            wall=net.wall,
+            on_change=lambda p, how: node.changes.append((p, how)),
+            background=services,
+            offload=inline,  # a worker thread would let the fake clock jump meanwhile
+            attestations=board,
+            attest=attester.submit,
+            attested=attester.sealed_for,
+            robust=robust,
+            probe=probe if probes else None,
+            weight_cap=weight_cap,
+        )
+
+    def restart() -> None:
+        holder[0] = node.syncer = make_syncer()
+
+    holder.append(make_syncer())
+    node.syncer = holder[0]
+    node.restart = restart
     directory.nodes[peer] = node
     services.start_soon(mailbox.run)
     return node
@@ -239,6 +251,7 @@ async def _swarm(
     codec: str = "e3m0",
     robust: RobustSettings | None = None,
     probes: bool = False,
+    weight_cap: float = math.inf,
 ) -> tuple[Directory, list[Node]]:
     """``n`` nodes ``peer-0``... holding the same zero initial copy of ``numel`` values."""
     directory = Directory(net)
@@ -253,6 +266,7 @@ async def _swarm(
             codec=codec,
             robust=robust,
             probes=probes,
+            weight_cap=weight_cap,
         )
         for i in range(n)
     ]
@@ -904,6 +918,46 @@ def test_split_sides_with_a_quorum_commit_and_converge_after_healing(
             assert len({n.state() for n in nodes}) == 1
             assert all(len(n.report.done.members) == 4 for n in nodes)  # type: ignore[union-attr]
             assert all(n.report.done.applied for n in nodes)  # type: ignore[union-attr]
+            services.cancel_scope.cancel()
+
+    _run(main)
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["resumed-with-seals", "told-nothing"])
+def test_a_member_resumed_from_its_checkpoint_clips_its_weight_as_its_groupmates_cap_it(
+    told: bool,
+) -> None:
+    """Both nodes applied the round that made version 1, so each caps the other's weight
+    in the next round at version 1 to a few periods' tokens. One restarts with a fresh
+    syncer (its engine state and its own attestation kept, as a checkpoint keeps them) and
+    trains on alone past that cap. Resumed as a node resumes, it reads from its own
+    attestation that it was a member and clips its weight: the round commits. A syncer
+    told nothing claims the run's cap, and its groupmate refuses every such part (an
+    earlier run saw two nodes fail every round this way after a restart)."""
+    cap = 5000.0  # the run's; a member of the last round may claim 3/5 of it
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            _, nodes = await _swarm(net, services, 2, weight_cap=cap)
+            await _sync_nodes(nodes, 3, 0)
+            assert all(n.report.done.round_status == "applied" for n in nodes)  # type: ignore[union-attr]
+            restarted = nodes[1]
+            assert restarted.restart is not None and restarted.attester is not None
+            restarted.restart()
+            if told:  # what the swarm's restore of the checkpoint's seals does
+                sealed = restarted.attester.sealed_for(0, *restarted.state())
+                assert sealed is not None
+                att, _ = open_attestation(sealed, NamedVerifier())
+                restarted.syncer.remember_made(0, att.version, att.members)
+            restarted.engine.add_tokens(3000)  # with the sync's own 1000: above 3/5 of cap
+            await _sync_nodes(nodes, 7, 1)
+            done = [n.report.done for n in nodes]  # type: ignore[union-attr]
+            if told:
+                assert all(d.round_status == "applied" for d in done), done
+                assert len({n.state() for n in nodes}) == 1 and nodes[0].state()[0] == 2
+            else:
+                assert all(d.round_status != "applied" for d in done), done
+                assert any("exceeds its cap 3000" in d.reason for d in done), done
             services.cancel_scope.cancel()
 
     _run(main)
