@@ -239,6 +239,11 @@ class PeerRecord:
     ``private`` (behind a NAT or a firewall: it dials out only), ``unknown``, or empty
     before its check. Self-reported: a peer that claims ``public`` falsely only fails its
     own rounds; one that claims ``private`` is grouped with fewer peers"""
+    step: int = -1
+    """the inner step its trainer had reached at publication (-1: not known), so that a
+    node resuming from a checkpoint or joining starts near the swarm's step instead of
+    finding the slots of its old step passed (self-reported: nothing that decides a round
+    trusts it; a peer that lies about it moves nobody further than the median)"""
 
     def key(self) -> str:
         """The DHT key this record is stored under."""
@@ -467,6 +472,8 @@ def _peer_problem(r: PeerRecord) -> str | None:
         return f"reach {_clip(r.reach)} is not one of {REACHES}"
     if r.tokens_per_s < 0:
         return f"tokens_per_s {r.tokens_per_s} is negative"
+    if r.step < -1:
+        return f"step {r.step} is below -1"
     if _AGENT.fullmatch(r.agent) is None:
         return f"agent {_clip(r.agent)} is not printable ASCII"
     for addr in r.addrs:

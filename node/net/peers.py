@@ -205,6 +205,13 @@ class PeerTracker:
         holds its copy but joins no more groups)."""
         return [p for p in self.responsive() if self.live[p].training]
 
+    def swarm_step(self) -> int:
+        """The lower median of the steps the trainers' live records state (-1 when none
+        states one): where a node that resumes or joins starts, when it is ahead of its
+        own step. One peer can move it only within the others' steps."""
+        steps = sorted(s for p in self.trainers() if (s := self.live[p].step) >= 0)
+        return steps[(len(steps) - 1) // 2] if steps else -1
+
     def expected(self, fragment: int, version: int) -> list[str]:
         """The trainers whose record shows them due at ``fragment``'s slot of ``version``:
         they hold that version (this node's copy, or another one they will rebase from

@@ -2,9 +2,10 @@
 
 :class:`RecordPublisher` announces the node's :class:`~atoll.dht.records.PeerRecord`
 (addresses, per-fragment versions and digests, tokens/s) once at start, again within
-``min_gap_s`` of a change of any fragment's version, and before the record expires (at a
-third of its lifetime). A failed announce is logged and retried at the next turn: the
-peers' view of this node is eventually right, never blocking a sync.
+``min_gap_s`` of a change of any fragment's version (or of the trainer's step by a
+period), and before the record expires (at a third of its lifetime). A failed announce
+is logged and retried at the next turn: the peers' view of this node is eventually
+right, never blocking a sync.
 
 :class:`AttestationPublisher` does the same for this member's attestations of committed
 rounds (:class:`~atoll.protocol.certificate.Attestation`): :meth:`~AttestationPublisher.

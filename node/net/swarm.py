@@ -326,16 +326,19 @@ class _Node:
         return SyncOutcome(p, step, done.applied, done.round, done.reason, met_at)
 
     async def catch_up(self) -> int:
-        """Rebase every fragment that the peers' records show behind; the step to start at."""
+        """Rebase every fragment that the peers' records show behind; the step to start
+        at: the swarm's (the median step its trainers' records state), or the step of a
+        copied state when that is later (the trainer takes it only when it is ahead of
+        its own, a checkpoint's)."""
         if not await self.peers.refresh():
             logger.info("no peer records yet: starting from the manifest's seed")
             return 0
-        start = 0
+        start = self.peers.swarm_step()
         for done in await self.syncer.catch_up_all():
             self.tally.caught_up()
             if done.state_step is not None:
                 start = max(start, done.state_step)
-        return start
+        return max(start, 0)
 
     async def probe(self, peer: str) -> bool:
         """Ask a silent peer whether it answers again, on a fresh connection (an old one
@@ -456,9 +459,11 @@ class _Node:
         return tuple(self.engine.version(p) for p in range(len(self.shared)))
 
     def _mark(self) -> tuple[int, ...]:
-        """What a published record must reflect: the versions and the count of changes
-        (a rebase may keep the version and change the copy)."""
-        return (*self._versions(), self._changes)
+        """What a published record must reflect: the versions, the count of changes (a
+        rebase may keep the version and change the copy) and the trainer's step to the
+        period (a node that resumes or joins starts at the swarm's step: its record may
+        not be a whole period behind while the trainer trains alone)."""
+        return (*self._versions(), self._changes, self.syncer.step // self.engine.config.H)
 
     async def snapshot(self, path: str) -> Callable[[], dict[str, Any]]:
         """The bridge's snapshot handler: copy the engine's state under its lock (with
@@ -547,6 +552,7 @@ class _Node:
                 now + RECORD_TTL_S,
                 self.training,
                 self.reach,
+                self.syncer.step,
             )
 
         return await self.syncer.engine_call(build)

@@ -362,6 +362,13 @@ def test_a_peer_record_says_whether_it_can_be_dialed(reach: str) -> None:
     assert roundtrip(record) == record
 
 
+def test_a_peer_record_carries_its_trainers_step() -> None:
+    assert roundtrip(peer_record(step=412)).step == 412
+    assert roundtrip(peer_record()).step == -1  # not known
+    with pytest.raises(RejectedRecord, match="step"):
+        roundtrip(peer_record(step=-2))
+
+
 def test_ready_records_carry_a_declaration() -> None:
     d = Declaration(RUN, 2, 11, BOB, 6, DIGEST, 99.5, T0 - 1)
     record = ReadyRecord.from_declaration(d, issued_at=T0, expires_at=T0 + 30)
