@@ -19,7 +19,7 @@ class _NoDirectory:
 
 def _record(peer: str, step: int, *, training: bool = True) -> PeerRecord:
     return PeerRecord(
-        peer, RUN, (), "atoll/test", 0.0, (1,), ("d",), True, NOW, NOW + 120.0, training, step
+        peer, RUN, (), "atoll/test", 0.0, (1,), ("d",), True, NOW, NOW + 120.0, training, step=step
     )
 
 
