@@ -144,6 +144,7 @@ from atoll.protocol.engine import OuterEngine
 from atoll.protocol.errors import AtollError
 from atoll.protocol.held import Held, HeldPeers
 from atoll.protocol.manifest import RobustSettings, Timeouts
+from atoll.protocol.punctuality import Punctuality
 from atoll.protocol.strikes import Strikes, reason_of_failure, self_accused
 
 __all__ = [
@@ -406,6 +407,8 @@ class Syncer:
         self._regulars: dict[int, collections.deque[tuple[float, frozenset[str]]]] = {}
         """fragment -> the members of its last applied rounds here (measured deadlines
         apply to rounds of these peers only)"""
+        self.punctuality = Punctuality()
+        """the peers due at slots that missed them lately (not waited for past the grace)"""
         self._made: dict[int, tuple[int, frozenset[str]]] = {}
         """per fragment: the version this node's last applied round made, and its members
         (their weights in the next round at that version are capped tighter)"""
@@ -1294,7 +1297,7 @@ class Syncer:
             patience_s=0.0 if only_if_present else matchmaking_s,
             expected=None
             if only_if_present
-            else functools.partial(self.peers.expected, me.fragment, me.version),
+            else functools.partial(self._expected_in_time, me.fragment, me.version),
             banned=self._banned if self.strikes is not None else None,
             outdated=outdated,
             hold=hold,
@@ -1308,7 +1311,33 @@ class Syncer:
         )
         came = found.members if isinstance(found, mm.Formed) else ()
         self._probe_absent(me, seen, came)
+        if isinstance(found, mm.Formed) and not only_if_present:
+            self._note_punctuality(me, found.members)
         return found
+
+    def _expected_in_time(self, fragment: int, version: int) -> list[str]:
+        """The peers due at ``fragment``'s slot of ``version`` that a leader waits for
+        and a trainer is held for: the late ones left out (see
+        :mod:`~atoll.protocol.punctuality`)."""
+        return self.punctuality.keep(self.peers.expected(fragment, version))
+
+    def _note_punctuality(self, me: mm.Declaration, members: Sequence[str]) -> None:
+        """The group of ``me``'s slot formed with ``members``: a peer due there at this
+        version (not behind) that is not among them missed it."""
+        due = [
+            p
+            for p in self.peers.expected(me.fragment, me.version)
+            if p != me.peer_id and self.peers.version_of(p, me.fragment) == me.version
+        ]
+        for peer in self.punctuality.ended(due, members):
+            logger.info(
+                "fragment %d slot %d: peer %s missed its last %d slots though due there; "
+                "not waited for past the grace window until it comes in time",
+                me.fragment,
+                me.slot,
+                peer[-6:],
+                self.punctuality.late_after,
+            )
 
     def _saw_step(self, peer: str, step: int) -> None:
         """``peer`` stated ``step`` (at some slot): its trainer got at least that far."""

@@ -60,6 +60,7 @@ from atoll.protocol.deadlines import MEASURED
 from atoll.protocol.engine import EngineConfig, OuterEngine
 from atoll.protocol.liveness import Liveness
 from atoll.protocol.manifest import GroupSettings, RobustSettings, Timeouts
+from atoll.protocol.punctuality import LATE_AFTER
 from atoll.protocol.schedule import Schedule
 from atoll.protocol.strikes import Strikes
 from atoll.security.identity import Identity, generate
@@ -125,29 +126,39 @@ class Directory:
         self.nodes: dict[str, Node] = {}
         self.forged: list[tuple[str, int, str]] = []
         """``(peer, version, digest)`` records of peers that only claim a state"""
+        self.shadows: list[str] = []
+        """peers whose records show peer-0's state (due at its slots) that never come"""
 
     async def find_peers(self) -> list[PeerRecord]:
         await trio.lowlevel.checkpoint()
         now = self.net.wall()
-        return [
-            PeerRecord(
-                n.peer,
-                RUN,
-                (),
-                "atoll/test",
-                0.0,
-                (n.engine.version(0),),
-                (n.engine.digest(0),),
-                True,
-                now,
-                now + 120.0,
-            )
-            for n in self.nodes.values()
-            if not self.net.is_dead(n.peer)
-        ] + [
-            PeerRecord(peer, RUN, (), "atoll/liar", 0.0, (v,), (d,), True, now, now + 120.0)
-            for peer, v, d in self.forged
-        ]
+        return (
+            [
+                PeerRecord(
+                    n.peer,
+                    RUN,
+                    (),
+                    "atoll/test",
+                    0.0,
+                    (n.engine.version(0),),
+                    (n.engine.digest(0),),
+                    True,
+                    now,
+                    now + 120.0,
+                )
+                for n in self.nodes.values()
+                if not self.net.is_dead(n.peer)
+            ]
+            + [
+                PeerRecord(peer, RUN, (), "atoll/liar", 0.0, (v,), (d,), True, now, now + 120.0)
+                for peer, v, d in self.forged
+            ]
+            + [
+                PeerRecord(peer, RUN, (), "atoll/late", 0.0, (v,), (d,), True, now, now + 120.0)
+                for peer in self.shadows
+                for v, d in [self.nodes["peer-0"].state()]
+            ]
+        )
 
 
 async def _node(
@@ -565,6 +576,38 @@ def test_a_node_whose_peers_come_a_period_later_lets_its_trainer_go_and_still_ro
             services.cancel_scope.cancel()
 
     _run(main)
+
+
+def test_a_peer_due_at_its_last_slots_that_never_came_is_no_longer_waited_for(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two nodes, and a third peer whose record shows it at their version at every slot
+    but which never comes in time (a laptop far slower than the others): the two wait
+    twice the grace for it at each slot until it has missed LATE_AFTER in a row, and
+    from then on close their group at the first grace. (A late peer that comes within
+    the first grace is a member and punctual again: tests/unit/test_punctuality.py.)"""
+    grace = GROUP.grace_s
+
+    async def main() -> None:
+        async with MemoryNetwork.open(run_id=RUN) as net, trio.open_nursery() as services:
+            directory, nodes = await _swarm(net, services, 2)
+            directory.shadows.append("peer-slow")
+            h = nodes[0].engine.config.H
+            waits = []
+            for i in range(LATE_AFTER + 2):
+                await trio.sleep(TRAIN_S)
+                t0 = trio.current_time()
+                await _sync_all(nodes, _locals(2, seed=i), 3 + i * h)
+                waits.append(trio.current_time() - t0)
+                assert all(n.report.done.round_status == "applied" for n in nodes)  # type: ignore[union-attr]
+            assert all(w >= 2 * grace for w in waits[:LATE_AFTER]), waits
+            assert all(w < 2 * grace for w in waits[LATE_AFTER:]), waits
+            late = [r.getMessage() for r in caplog.records if "missed its last" in r.getMessage()]
+            assert len(late) == 2 and all("slow" in m for m in late), late  # each node once
+            services.cancel_scope.cancel()
+
+    with caplog.at_level(logging.INFO, logger="atoll.node.net.syncer"):
+        _run(main)
 
 
 @pytest.mark.parametrize("rule", ["mean", "trimmed_mean", "centered_clip"])

@@ -1,0 +1,68 @@
+"""Which peers a slot stops waiting for: those that came too late at their last slots.
+
+A leader with a quorum closes its group after the grace window, and after twice that
+while a peer expected at the slot has not come (matchmaking's second grace; see
+:mod:`atoll.protocol.matchmaking`); a group formed ahead of its sync stays open for the
+expected peers, and a node whose expected peers are on their way holds its trainer. That
+patience lets in a peer that is a little late once, after a rebase say. A peer that is
+late at every slot (a laptop six times slower than the GPUs beside it) makes the others
+pay the whole extension each time and still misses most groups: in an integration run of
+two fast nodes beside one six times slower, the fast nodes waited 77% of their wall time,
+mostly in the second grace.
+
+:class:`Punctuality` remembers, per peer, how many slots in a row it was expected at (it
+held the slot's version, so it had nothing to copy first) and was not a member of the
+group this node's matchmaking ended in. After :data:`LATE_AFTER` such slots the peer is
+*late*: it is no longer expected, so nobody waits past the first grace for it and no
+trainer is held for it. It is not refused: a late peer that reaches a slot within the
+first grace joins as before, and one slot as a member makes it punctual again. The
+windows themselves never shrink (an earlier try that cut the grace to the median plus
+3 MAD of measured lateness formed groups without punctual peers), and a peer behind
+(expected at an earlier version, on its way through a copy of the state) is never
+counted late for it: a node back from a cut must still find the second grace.
+
+Sans-IO: the driver tells it each slot's outcome (:meth:`Punctuality.ended`) and asks
+it to filter the peers it would wait for (:meth:`Punctuality.keep`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from atoll.protocol.errors import ConfigError
+
+LATE_AFTER = 3
+"""slots in a row that an expected peer was not a member of before it is late"""
+
+
+class Punctuality:
+    """Per peer, the slots in a row it was expected at and missed (see the module
+    docstring)."""
+
+    def __init__(self, late_after: int = LATE_AFTER) -> None:
+        if late_after < 1:
+            raise ConfigError(f"late_after must be >= 1, not {late_after!r}")
+        self.late_after = late_after
+        self._missed: dict[str, int] = {}
+
+    def ended(self, expected: Iterable[str], members: Collection[str]) -> list[str]:
+        """A slot's matchmaking ended in a group of ``members``; ``expected`` were the
+        peers due there at this node's version. Returns the peers that became late with
+        it. Every member is punctual again."""
+        for peer in members:
+            self._missed.pop(peer, None)
+        newly = []
+        for peer in set(expected) - set(members):
+            missed = self._missed.get(peer, 0) + 1
+            self._missed[peer] = missed
+            if missed == self.late_after:
+                newly.append(peer)
+        return sorted(newly)
+
+    def late(self, peer: str) -> bool:
+        """Whether ``peer`` missed its last :attr:`late_after` slots or more."""
+        return self._missed.get(peer, 0) >= self.late_after
+
+    def keep(self, peers: Iterable[str]) -> list[str]:
+        """``peers`` without the late ones, in their order."""
+        return [p for p in peers if not self.late(p)]
