@@ -52,8 +52,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the nodes' --ahead-s (seconds before a sync its group starts forming; "
         "0: each sync forms its own; default: the node's default)",
     )
+    ap.add_argument(
+        "--slow",
+        action="append",
+        default=[],
+        metavar="I:FACTOR",
+        help="node I trains FACTOR times slower (repeatable; e.g. 2:6, a laptop beside GPUs)",
+    )
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
+    try:
+        slowdown = {int(i): float(f) for i, f in (x.split(":", 1) for x in args.slow)}
+    except ValueError:
+        ap.error(f"--slow takes I:FACTOR, e.g. 2:6, not {args.slow}")
     if args.ahead_s is not None:
         os.environ["ATOLL_AHEAD_S"] = str(args.ahead_s)  # the nodes inherit it
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -69,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         wanlab=args.wanlab,
         timeouts_scale=args.timeouts_scale,
         refresh_s=10.0,
+        slowdown=slowdown,
     )
     t0 = time.time()
     summary = run_demo(cfg)
@@ -91,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         "mean_utilisation": sum(util) / len(util) if util else None,
         "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
         "ahead_s": args.ahead_s,
+        "slowdown": slowdown,
+        "net_wait_share": {
+            n["name"]: round(n["net_wait_s"] / n["wall_s"], 3)
+            for n in nodes
+            if n.get("net_wait_s") is not None and n.get("wall_s")
+        },
         "rounds_ahead": {n["name"]: n.get("rounds_ahead") for n in nodes},
         "summary": summary,
     }

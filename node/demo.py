@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol, TextIO
@@ -76,6 +77,9 @@ class DemoConfig:
     lab: Lab | None = None
     """a network lab with ``nodes + 1`` nodes: node i runs in the lab's node i, the
     bootstrap in node ``nodes`` (a fault of node 0 leaves the bootstrap alone)"""
+    slowdown: Mapping[int, float] = field(default_factory=dict)
+    """node index -> how many times slower its trainer runs (``ATOLL_SLOWDOWN``: after
+    each step it sleeps the step's compute time times the factor less one); others: 1"""
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -85,6 +89,11 @@ class DemoConfig:
         if self.steps < self.H:
             raise ConfigError(f"steps ({self.steps}) must be at least H ({self.H})")
         OuterLoop(H=self.H, tau=self.tau, codec=self.codec)  # checked where it is declared
+        for i, factor in self.slowdown.items():
+            if not 0 <= i < self.nodes or not factor >= 1:
+                raise ConfigError(
+                    f"slowdown {i}: {factor}: a node index below {self.nodes} and a factor >= 1"
+                )
 
 
 def manifest_text(cfg: DemoConfig) -> str:
@@ -290,7 +299,7 @@ def run_demo(
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
-                env=env,
+                env={**env, "ATOLL_SLOWDOWN": str(cfg.slowdown[i])} if i in cfg.slowdown else env,
             )
             child = _Child(f"node{i}", proc, log)
             threading.Thread(target=_read_lines, args=(child,), daemon=True).start()
