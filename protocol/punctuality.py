@@ -10,16 +10,17 @@ pay the whole extension each time and still misses most groups: in an integratio
 two fast nodes beside one six times slower, the fast nodes waited 77% of their wall time,
 mostly in the second grace.
 
-:class:`Punctuality` remembers, per peer, how many slots in a row it was expected at (it
-held the slot's version, so it had nothing to copy first) and was not a member of the
-group this node's matchmaking ended in. After :data:`LATE_AFTER` such slots the peer is
-*late*: it is no longer expected, so nobody waits past the first grace for it and no
-trainer is held for it. It is not refused: a late peer that reaches a slot within the
-first grace joins as before, and one slot as a member makes it punctual again. The
-windows themselves never shrink (an earlier try that cut the grace to the median plus
-3 MAD of measured lateness formed groups without punctual peers), and a peer behind
-(expected at an earlier version, on its way through a copy of the state) is never
-counted late for it: a node back from a cut must still find the second grace.
+:class:`Punctuality` remembers, per peer, how many slots in a row it was expected at
+(its record showed it at the slot's version or on its way there through a copy of the
+state) and was not a member of the group this node's matchmaking ended in. After
+:data:`LATE_AFTER` such slots the peer is *late*: it is no longer expected, so nobody
+waits past the first grace for it and no trainer is held for it. It is not refused: a
+late peer that reaches a slot within the first grace joins as before, and one slot as a
+member makes it punctual again. The windows themselves never shrink (an earlier try that
+cut the grace to the median plus 3 MAD of measured lateness formed groups without
+punctual peers). A peer that went silent and answers again since its last miss (a cut
+that healed, a restarted node) starts punctual: its misses said nothing of its pace, and
+a node back from a cut must still find the second grace when it comes a version behind.
 
 Sans-IO: the driver tells it each slot's outcome (:meth:`Punctuality.ended`) and asks
 it to filter the peers it would wait for (:meth:`Punctuality.keep`).
@@ -27,7 +28,7 @@ it to filter the peers it would wait for (:meth:`Punctuality.keep`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from atoll.protocol.errors import ConfigError
 
@@ -43,26 +44,46 @@ class Punctuality:
         if late_after < 1:
             raise ConfigError(f"late_after must be >= 1, not {late_after!r}")
         self.late_after = late_after
-        self._missed: dict[str, int] = {}
+        self._missed: dict[str, tuple[int, float]] = {}  # peer -> (slots in a row, last at)
 
-    def ended(self, expected: Iterable[str], members: Collection[str]) -> list[str]:
-        """A slot's matchmaking ended in a group of ``members``; ``expected`` were the
-        peers due there at this node's version. Returns the peers that became late with
-        it. Every member is punctual again."""
+    def ended(
+        self,
+        expected: Iterable[str],
+        members: Collection[str],
+        *,
+        now: float,
+        returned_at: Callable[[str], float | None] = lambda peer: None,
+    ) -> list[str]:
+        """A slot's matchmaking ended at ``now`` in a group of ``members``; ``expected``
+        were the peers due there. Returns the peers that became late with it. Every
+        member is punctual again. ``returned_at``: when a peer last answered again after
+        it had gone silent (None: never silent; see the module docstring)."""
         for peer in members:
             self._missed.pop(peer, None)
         newly = []
-        for peer in set(expected) - set(members):
-            missed = self._missed.get(peer, 0) + 1
-            self._missed[peer] = missed
+        for peer in sorted(set(expected) - set(members)):
+            missed = self._count(peer, returned_at) + 1
+            self._missed[peer] = (missed, now)
             if missed == self.late_after:
                 newly.append(peer)
-        return sorted(newly)
+        return newly
 
-    def late(self, peer: str) -> bool:
+    def _count(self, peer: str, returned_at: Callable[[str], float | None]) -> int:
+        """``peer``'s misses in a row, none when it answered again after a silence since
+        its last."""
+        missed, at = self._missed.get(peer, (0, 0.0))
+        back = returned_at(peer)
+        if missed and back is not None and back > at:
+            del self._missed[peer]
+            return 0
+        return missed
+
+    def late(self, peer: str, returned_at: Callable[[str], float | None] = lambda p: None) -> bool:
         """Whether ``peer`` missed its last :attr:`late_after` slots or more."""
-        return self._missed.get(peer, 0) >= self.late_after
+        return self._count(peer, returned_at) >= self.late_after
 
-    def keep(self, peers: Iterable[str]) -> list[str]:
+    def keep(
+        self, peers: Iterable[str], returned_at: Callable[[str], float | None] = lambda p: None
+    ) -> list[str]:
         """``peers`` without the late ones, in their order."""
-        return [p for p in peers if not self.late(p)]
+        return [p for p in peers if not self.late(p, returned_at)]

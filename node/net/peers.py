@@ -229,11 +229,6 @@ class PeerTracker:
                 due.append(p)
         return due
 
-    def version_of(self, peer: str, fragment: int) -> int:
-        """``fragment``'s version in ``peer``'s live record (-1: none, or not covered)."""
-        r = self.live.get(peer)
-        return r.versions[fragment] if r is not None and fragment < len(r.versions) else -1
-
     def group_settings(self) -> GroupSettings:
         """The group settings for the responsive peers (see the module docstring): the
         most members capped at them, the quorum raised to their majority."""

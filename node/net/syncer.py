@@ -1319,17 +1319,18 @@ class Syncer:
         """The peers due at ``fragment``'s slot of ``version`` that a leader waits for
         and a trainer is held for: the late ones left out (see
         :mod:`~atoll.protocol.punctuality`)."""
-        return self.punctuality.keep(self.peers.expected(fragment, version))
+        return self.punctuality.keep(
+            self.peers.expected(fragment, version), self.peers.liveness.returned_at
+        )
 
     def _note_punctuality(self, me: mm.Declaration, members: Sequence[str]) -> None:
-        """The group of ``me``'s slot formed with ``members``: a peer due there at this
-        version (not behind) that is not among them missed it."""
-        due = [
-            p
-            for p in self.peers.expected(me.fragment, me.version)
-            if p != me.peer_id and self.peers.version_of(p, me.fragment) == me.version
-        ]
-        for peer in self.punctuality.ended(due, members):
+        """The group of ``me``'s slot formed with ``members``: a peer due there that is
+        not among them missed it."""
+        due = [p for p in self.peers.expected(me.fragment, me.version) if p != me.peer_id]
+        ended = self.punctuality.ended(
+            due, members, now=trio.current_time(), returned_at=self.peers.liveness.returned_at
+        )
+        for peer in ended:
             logger.info(
                 "fragment %d slot %d: peer %s missed its last %d slots though due there; "
                 "not waited for past the grace window until it comes in time",

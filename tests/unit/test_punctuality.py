@@ -12,33 +12,48 @@ from atoll.protocol.punctuality import LATE_AFTER, Punctuality
 def test_a_peer_is_late_after_missing_its_last_slots_in_a_row() -> None:
     p = Punctuality()
     for _ in range(LATE_AFTER - 1):
-        assert p.ended(["slow", "fast"], ["me", "fast"]) == []
+        assert p.ended(["slow", "fast"], ["me", "fast"], now=0.0) == []
         assert not p.late("slow")
-    assert p.ended(["slow", "fast"], ["me", "fast"]) == ["slow"]  # said once
+    assert p.ended(["slow", "fast"], ["me", "fast"], now=0.0) == ["slow"]  # said once
     assert p.late("slow") and not p.late("fast")
     assert p.keep(["fast", "slow", "new"]) == ["fast", "new"]
-    assert p.ended(["slow"], ["me", "fast"]) == []  # late already: not said again
+    assert p.ended(["slow"], ["me", "fast"], now=0.0) == []  # late already: not said again
 
 
 def test_one_slot_as_a_member_makes_a_late_peer_punctual_again() -> None:
     p = Punctuality(late_after=2)
-    p.ended(["slow"], ["me"])
-    p.ended(["slow"], ["me"])
+    p.ended(["slow"], ["me"], now=0.0)
+    p.ended(["slow"], ["me"], now=0.0)
     assert p.late("slow")
-    p.ended([], ["me", "slow"])  # it came within the first grace (not waited for)
+    p.ended([], ["me", "slow"], now=0.0)  # it came within the first grace (not waited for)
     assert not p.late("slow")
-    p.ended(["slow"], ["me"])
+    p.ended(["slow"], ["me"], now=0.0)
     assert not p.late("slow")  # the count starts again
 
 
 def test_misses_only_count_in_a_row() -> None:
     p = Punctuality(late_after=2)
-    p.ended(["a"], ["me"])
-    p.ended(["a"], ["me", "a"])
-    p.ended(["a"], ["me"])
+    p.ended(["a"], ["me"], now=0.0)
+    p.ended(["a"], ["me", "a"], now=0.0)
+    p.ended(["a"], ["me"], now=0.0)
     assert not p.late("a")
 
 
 def test_late_after_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="late_after"):
         Punctuality(late_after=0)
+
+
+def test_a_peer_that_answers_again_after_a_silence_since_its_last_miss_starts_punctual() -> None:
+    """A cut that healed, a restarted node: the misses said nothing of its pace."""
+    p = Punctuality(late_after=2)
+    back: dict[str, float] = {}
+    p.ended(["cut"], ["me"], now=10.0, returned_at=back.get)
+    p.ended(["cut"], ["me"], now=20.0, returned_at=back.get)
+    assert p.late("cut", back.get)
+    back["cut"] = 15.0  # back before its last miss: still late
+    assert p.late("cut", back.get)
+    back["cut"] = 25.0
+    assert not p.late("cut", back.get) and p.keep(["cut"], back.get) == ["cut"]
+    p.ended(["cut"], ["me"], now=30.0, returned_at=back.get)
+    assert not p.late("cut", back.get)  # one miss since
