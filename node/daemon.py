@@ -52,7 +52,13 @@ from atoll.node.checkpoint import CheckpointStore
 from atoll.node.data import load_corpus
 from atoll.node.documents import make_batcher
 from atoll.node.model import build_for_run
-from atoll.node.net.bridge import NetworkBridge, Settled, SharedFragments, SyncOutcome
+from atoll.node.net.bridge import (
+    NetworkBridge,
+    Settled,
+    SharedFragments,
+    SyncOutcome,
+    WarmWorker,
+)
 from atoll.node.net.status import NodeStatus
 from atoll.node.settings import NodeConfig
 from atoll.node.snapshot import NodeCheckpoints, ResumePoint, restore_trainer, resume_point
@@ -210,6 +216,19 @@ def run_node(
     """
     manifest_path = Path(cfg.run).expanduser()
     manifest = RunManifest.load(manifest_path)
+    # the network process imports its libraries meanwhile (seconds, on a busy machine)
+    with WarmWorker(WORKER) as warm:
+        return _run_node(cfg, manifest, manifest_path, warm, progress, on_start)
+
+
+def _run_node(
+    cfg: NodeConfig,
+    manifest: RunManifest,
+    manifest_path: Path,
+    warm: WarmWorker,
+    progress: Callable[[dict[str, Any]], None] | None,
+    on_start: Callable[[dict[str, Any]], None] | None,
+) -> NodeSummary:
     # a manifest naming its owner is trusted only with the owner's signature next to it
     # (checked here too, so that every caller of run_node gets the check, not only the CLI)
     logger.info("%s", check_manifest_signature(manifest, manifest_path).describe())
@@ -282,7 +301,7 @@ def run_node(
             with (
                 stop.installed(),
                 NetworkBridge(
-                    shared, WORKER, args, start_timeout_s=cfg.join_timeout_s + 120
+                    shared, WORKER, args, start_timeout_s=cfg.join_timeout_s + 120, warm=warm
                 ) as bridge,
             ):
                 stop.on_stop = bridge.interrupt

@@ -18,6 +18,12 @@ Pieces
   *worker*, ``"module:function"`` naming ``async def main(shared, inbox, outbox,
   **worker_args)`` run with :func:`trio.run`, and talks to it over two one-way pipes
   carrying small msgpack commands.
+- :class:`WarmWorker`: the network process started before its arguments are known. It
+  imports the worker's module (py-libp2p alone took 3 s of a 5.6 s import on a busy
+  2-core machine) while the trainer loads its data, builds its model and reads its
+  checkpoint, then waits for the bridge's ``go``: the shared memory's names and the
+  worker's arguments. A restarted node trains that much sooner. The node daemon starts
+  one first thing; a bridge given none starts its own.
 - :func:`serve` (network side): the command loop a worker runs; it hands every started
   sync to the worker's handler in a nursery and sends the outcomes back.
 - :func:`local_engine_worker`: the reference worker: an OuterEngine with a loopback
@@ -112,6 +118,7 @@ __all__ = [
     "SharedFragments",
     "SnapshotReply",
     "SyncOutcome",
+    "WarmWorker",
     "local_engine_worker",
     "post_status",
     "serve",
@@ -448,16 +455,11 @@ async def serve(
         nursery.cancel_scope.cancel()
 
 
-def _child_main(
-    worker: str,
-    names: list[str],
-    sizes: list[int],
-    inbox: Connection,
-    outbox: Connection,
-    worker_args: dict[str, Any],
-    log_level: int,
-) -> None:
-    """Entry point of the network process (spawned)."""
+def _child_main(worker: str, inbox: Connection, outbox: Connection, log_level: int) -> None:
+    """Entry point of the network process (spawned). It imports ``worker``'s module at
+    once, then waits for the trainer's ``go`` (the shared memory's names and sizes and the
+    worker's arguments: see :class:`WarmWorker`); a trainer that went away first (the pipe
+    ends) ends it quietly."""
     # the trainer decides when this stops (a Ctrl+C or a finish request sent to the whole
     # process group is the trainer's)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -472,6 +474,11 @@ def _child_main(
         keep_freed_memory()  # each round reuses the pages of the one before
         module, _, attr = worker.partition(":")
         fn = getattr(importlib.import_module(module), attr)
+        try:
+            go = inbox.recv()  # the trainer's own pickle, from its own pipe
+        except (EOFError, OSError):
+            os._exit(0)  # the trainer went away before it needed this process
+        _, names, sizes, worker_args = go
         shared = SharedFragments.attach(names, sizes)
         trio.run(functools.partial(fn, shared, inbox, outbox, **worker_args))
     except BaseException as e:
@@ -496,12 +503,74 @@ def _child_main(
 
 
 # -- trainer side ---------------------------------------------------------------------------
+class WarmWorker:
+    """A network process started before its arguments are known: it imports ``worker``'s
+    module (libp2p, trio, the DHT: several seconds on a busy machine) while the trainer
+    loads its data, builds its model and reads its checkpoint, and waits for the
+    :class:`NetworkBridge` that takes it. Close it when no bridge took it (a failed
+    start); closing one that a bridge took does nothing."""
+
+    def __init__(self, worker: str) -> None:
+        if ":" not in worker:
+            raise ConfigError(f"worker must be 'module:function', not {worker!r}")
+        self.worker = worker
+        self.taken = False
+        ctx = multiprocessing.get_context("spawn")
+        cmd_r, self.cmd = ctx.Pipe(duplex=False)
+        self.out, out_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=_child_main,
+            args=(worker, cmd_r, out_w, logging.getLogger().getEffectiveLevel()),
+            name=f"atoll-net-{os.getpid()}",
+            daemon=True,
+        )
+        try:
+            self.proc.start()
+        except BaseException as e:
+            self.cmd.close()
+            self.out.close()
+            raise NetworkStartError(f"cannot start the network process: {e!r}") from e
+        finally:
+            cmd_r.close()  # the child has its own copies; EOF now means the other side died
+            out_w.close()
+
+    def go(self, shared: SharedFragments, worker_args: dict[str, Any]) -> None:
+        """Hand the process its shared memory and arguments (once, by the bridge)."""
+        if self.taken:
+            raise ConfigError("this network process was handed to a bridge already")
+        self.taken = True
+        # a process that failed already (its import, say) said why on its way out: the
+        # bridge reads that next, so a closed pipe here is not the error to report
+        with contextlib.suppress(OSError):
+            self.cmd.send(["go", list(shared.names), list(shared.sizes), dict(worker_args)])
+
+    def close(self) -> None:
+        """End a process no bridge took (it holds nothing yet: it is killed)."""
+        if self.taken:
+            return
+        self.taken = True
+        with contextlib.suppress(OSError):
+            self.cmd.close()
+        if self.proc.is_alive():  # nothing of it to clean up: no memory attached, no host
+            self.proc.kill()
+        self.proc.join(5.0)
+        with contextlib.suppress(OSError):
+            self.out.close()
+
+    def __enter__(self) -> WarmWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class NetworkBridge:
     """The trainer's handle on the network process: start syncs, collect their outcomes.
 
     Starting blocks until the worker reports ready (at most ``start_timeout_s``) and
     raises :class:`NetworkStartError` when it does not. ``worker_args`` are pickled to the
-    child. Use as a context manager, or call :meth:`close`.
+    child. ``warm``: a process started earlier for ``worker`` (:class:`WarmWorker`),
+    taken over instead of starting one. Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -511,9 +580,12 @@ class NetworkBridge:
         worker_args: dict[str, Any] | None = None,
         *,
         start_timeout_s: float = 30.0,
+        warm: WarmWorker | None = None,
     ) -> None:
         if ":" not in worker:
             raise ConfigError(f"worker must be 'module:function', not {worker!r}")
+        if warm is not None and warm.worker != worker:
+            raise ConfigError(f"the warm network process runs {warm.worker}, not {worker}")
         self.shared = shared
         self.worker = worker
         self.stats = BridgeStats()
@@ -532,32 +604,10 @@ class NetworkBridge:
         self._step_sent_at = -float("inf")
         self.status = NodeStatus()
         """the latest status the network process sent (peer id, peers, bytes, rounds)"""
-        ctx = multiprocessing.get_context("spawn")
-        cmd_r, self._cmd = ctx.Pipe(duplex=False)
-        self._out, out_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
-            target=_child_main,
-            args=(
-                worker,
-                list(shared.names),
-                list(shared.sizes),
-                cmd_r,
-                out_w,
-                dict(worker_args or {}),
-                logging.getLogger().getEffectiveLevel(),
-            ),
-            name=f"atoll-net-{os.getpid()}",
-            daemon=True,
-        )
-        try:
-            self._proc.start()
-        except BaseException as e:
-            self._cmd.close()
-            self._out.close()
-            raise NetworkStartError(f"cannot start the network process: {e!r}") from e
-        finally:
-            cmd_r.close()  # the child has its own copies; EOF now means the other side died
-            out_w.close()
+        if warm is None:
+            warm = WarmWorker(worker)
+        self._proc, self._cmd, self._out = warm.proc, warm.cmd, warm.out
+        warm.go(shared, dict(worker_args or {}))
         try:
             self._await_ready(start_timeout_s)
         except BaseException:

@@ -25,6 +25,7 @@ from atoll.node.net.bridge import (
     NetworkStartError,
     SharedFragments,
     SyncOutcome,
+    WarmWorker,
 )
 from atoll.node.net.status import NodeStatus
 from atoll.node.train import InnerConfig, Replica
@@ -209,6 +210,46 @@ def test_start_failure_is_a_clear_error(shared: SharedFragments) -> None:
     with pytest.raises(NetworkStartError, match="ModuleNotFoundError"):
         NetworkBridge(shared, "atoll.no_such_module:main", {})
     assert time.monotonic() - t0 < 60.0  # a spawned Python fails its import: seconds, if busy
+
+
+def test_a_network_process_started_ahead_is_taken_over_and_runs_syncs(
+    shared: SharedFragments,
+) -> None:
+    """The node starts its network process before it builds its model (the process
+    imports its libraries meanwhile) and the bridge takes it over."""
+    with WarmWorker(WORKER) as warm:
+        pid = warm.proc.pid
+        with NetworkBridge(shared, WORKER, {"config": CONFIG, "seed": 3}, warm=warm) as bridge:
+            assert bridge.pid == pid
+            shared.local(0)[:] = shared.global_(0) - 0.01
+            bridge.start_sync(0, 3, 512)
+            assert bridge.wait(0, 10.0) == SyncOutcome(0, 3, True, 0)
+        assert not bridge.alive
+        with pytest.raises(ConfigError, match="handed to a bridge already"):
+            warm.go(shared, {})
+
+
+def test_a_network_process_started_ahead_and_not_taken_is_ended_at_once() -> None:
+    """A node that fails before its bridge starts (a bad identity, say) leaves no
+    process behind, and does not wait for it."""
+    warm = WarmWorker(WORKER)
+    t0 = time.monotonic()
+    warm.close()
+    assert time.monotonic() - t0 < 5.0
+    assert not warm.proc.is_alive()
+    warm.close()  # once is enough
+
+
+def test_a_network_process_started_ahead_for_another_worker_is_refused(
+    shared: SharedFragments,
+) -> None:
+    with (
+        WarmWorker("atoll.node.net.swarm:swarm_worker") as warm,
+        pytest.raises(ConfigError, match=r"not atoll\.node\.net\.bridge"),
+    ):
+        NetworkBridge(shared, WORKER, {}, warm=warm)
+    with pytest.raises(ConfigError, match="module:function"):
+        WarmWorker("no-colon")
 
 
 def _cpu_s(pid: int) -> float:
