@@ -1320,7 +1320,7 @@ class Syncer:
         and a trainer is held for: the late ones left out (see
         :mod:`~atoll.protocol.punctuality`)."""
         return self.punctuality.keep(
-            self.peers.expected(fragment, version), self.peers.liveness.returned_at
+            fragment, self.peers.expected(fragment, version), self.peers.liveness.returned_at
         )
 
     def _note_punctuality(self, me: mm.Declaration, members: Sequence[str]) -> None:
@@ -1328,12 +1328,16 @@ class Syncer:
         not among them missed it."""
         due = [p for p in self.peers.expected(me.fragment, me.version) if p != me.peer_id]
         ended = self.punctuality.ended(
-            due, members, now=trio.current_time(), returned_at=self.peers.liveness.returned_at
+            me.fragment,
+            due,
+            members,
+            now=trio.current_time(),
+            returned_at=self.peers.liveness.returned_at,
         )
         for peer in ended:
             logger.info(
-                "fragment %d slot %d: peer %s missed its last %d slots though due there; "
-                "not waited for past the grace window until it comes in time",
+                "fragment %d slot %d: peer %s missed the fragment's last %d slots though due "
+                "there; not waited for past the grace window until it comes in time",
                 me.fragment,
                 me.slot,
                 peer[-6:],

@@ -602,7 +602,11 @@ def test_a_peer_due_at_its_last_slots_that_never_came_is_no_longer_waited_for(
                 assert all(n.report.done.round_status == "applied" for n in nodes)  # type: ignore[union-attr]
             assert all(w >= 2 * grace for w in waits[:LATE_AFTER]), waits
             assert all(w < 2 * grace for w in waits[LATE_AFTER:]), waits
-            late = [r.getMessage() for r in caplog.records if "missed its last" in r.getMessage()]
+            late = [
+                r.getMessage()
+                for r in caplog.records
+                if "missed the fragment's last" in r.getMessage()
+            ]
             assert len(late) == 2 and all("slow" in m for m in late), late  # each node once
             services.cancel_scope.cancel()
 
