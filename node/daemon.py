@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -218,7 +219,23 @@ def run_node(
     manifest = RunManifest.load(manifest_path)
     # the network process imports its libraries meanwhile (seconds, on a busy machine)
     with WarmWorker(WORKER) as warm:
+        _yield_to_the_network()
         return _run_node(cfg, manifest, manifest_path, warm, progress, on_start)
+
+
+TRAINER_NICE = 5
+"""how much lower the trainer's CPU priority is than its network process's"""
+
+
+def _yield_to_the_network() -> None:
+    """Lower this (the trainer's) process's CPU priority by :data:`TRAINER_NICE`, once
+    its network process is started (it keeps the priority it started with). A trainer
+    on the CPU takes every core it is given; at the same priority, on a machine as busy
+    as its cores, the network process waited its turn behind it, its DHT requests ran
+    past their bounds and peers gave it up as silent. Where nothing else wants the CPU
+    the trainer still gets all of it."""
+    with contextlib.suppress(OSError):
+        os.nice(TRAINER_NICE)
 
 
 def _run_node(
