@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -250,6 +252,27 @@ def test_a_network_process_started_ahead_for_another_worker_is_refused(
         NetworkBridge(shared, WORKER, {}, warm=warm)
     with pytest.raises(ConfigError, match="module:function"):
         WarmWorker("no-colon")
+
+
+def test_the_trainer_yields_the_cpu_to_its_network_process_once_it_is_started() -> None:
+    """The node daemon starts its network process, then lowers its own CPU priority: the
+    network process keeps the priority the node started with."""
+    script = (
+        "import os\n"
+        "from atoll.node.daemon import TRAINER_NICE, WORKER, _yield_to_the_network\n"
+        "from atoll.node.net.bridge import WarmWorker\n"
+        "with WarmWorker(WORKER) as warm:\n"
+        "    before = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "    _yield_to_the_network()\n"
+        "    mine = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "    net = os.getpriority(os.PRIO_PROCESS, warm.proc.pid)\n"
+        "    print(before, mine, net, TRAINER_NICE)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, mine, net, nice = (int(x) for x in out.stdout.split())
+    assert mine == min(before + nice, 19) and net == before, out.stdout
 
 
 def _cpu_s(pid: int) -> float:
